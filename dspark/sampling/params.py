@@ -1,0 +1,68 @@
+"""Sampling parameters and the one function that turns target logits into probabilities.
+
+Plain decoding, the rejection sampler's target side and the Triton kernel all go through
+`logits_to_probs`, so "the target distribution" means the same thing everywhere: temperature,
+then top-k, then top-p (nucleus), then renormalisation, in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (the OpenAI API's names and meanings).
+
+    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1 switch those filters off.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [n, vocab]
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> torch.Tensor:  # [n, vocab] fp32, rows sum to 1
+    """The target distribution a sampler draws from, for temperature > 0.
+
+    Order (same as transformers' and vLLM's samplers): divide by temperature, keep the top_k
+    largest logits, keep the smallest set of most likely tokens whose mass reaches top_p
+    (the token that crosses top_p is kept), softmax over what is left.
+    """
+    if temperature <= 0.0:
+        raise ValueError(f"logits_to_probs needs temperature > 0, got {temperature}; use argmax for greedy")
+    logits = logits.float() / temperature
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Mass strictly before each token; a token is dropped once that mass already reaches top_p.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return torch.softmax(logits, dim=-1)

@@ -1,0 +1,436 @@
+"""Lossless verification of draft tokens: the rejection sampler over a flattened batch.
+
+This module owns the contract between the engine and the verifier (`DraftProbs`,
+`RejectionBatch`, `RejectionResult`), the validation of that contract at the boundary, the
+random numbers a round consumes (`draw_rejection_randoms`), the plain per-request torch
+reference (`rejection_sample_reference`, the definition the Triton kernel is tested against)
+and the public entry point `rejection_sample(batch, backend="torch" | "triton")`.
+
+The math (DSPARK.md section 1), per request r with drafts x_1..x_l:
+  * accept x_k iff u_k < p_t(x_k) / p_d(x_k), evaluated as u_k * p_d(x_k) < p_t(x_k) in fp32;
+  * at the first rejection emit a draw from norm(max(0, p_t - p_d)) at that position;
+  * if all l drafts are accepted emit the bonus, a draw from p_t at position l + 1.
+The output then has exactly the target's distribution, for any p_d, provided p_d is the very
+row the drafter sampled x_k from. A request draws exactly ONE categorical token per round (the
+residual or the bonus), by the exponential race argmax_v w(v) / E_r(v) with E_r ~ iid Exp(1):
+the winner of that race is distributed as w / sum(w) without normalising w. Both backends
+evaluate the same fp32 expressions on the same random numbers, so they agree exactly.
+Temperature 0 (greedy): accept while x_k == argmax of the target logits (ties: lowest id), then
+emit that argmax.
+
+Run the tests with `python -m pytest tests/sampling -q`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dspark.sampling.params import SamplingParams, logits_to_probs
+
+BACKENDS = ("torch", "triton")
+_ROW_SUM_TOL = 1e-3  # draft rows are renormalised fp32 (or bf16 upcast) distributions
+
+
+@dataclass
+class DraftProbs:
+    """The exact rows the drafter sampled each draft token from: dense, or sparse (truncated).
+
+    Sparse rows are the drafter's top-k / top-p truncation, renormalised; p_d is zero outside
+    the listed ids. Padding entries (id -1, prob 0) are allowed.
+    """
+
+    dense: torch.Tensor | None = None  # [num_draft_tokens, vocab] fp32, rows sum to 1
+    sparse_ids: torch.Tensor | None = None  # [num_draft_tokens, k] int64, -1 = padding
+    sparse_probs: torch.Tensor | None = None  # [num_draft_tokens, k] fp32, rows sum to 1
+
+    def __post_init__(self) -> None:
+        has_dense = self.dense is not None
+        has_sparse = self.sparse_ids is not None or self.sparse_probs is not None
+        if has_dense == has_sparse:
+            raise ValueError(
+                "DraftProbs needs exactly one of dense or (sparse_ids, sparse_probs), got "
+                f"dense={'set' if has_dense else 'None'}, sparse={'set' if has_sparse else 'None'}"
+            )
+        if has_sparse and (self.sparse_ids is None or self.sparse_probs is None):
+            raise ValueError("DraftProbs sparse rows need both sparse_ids and sparse_probs, got only one")
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.dense is None
+
+
+@dataclass
+class RejectionBatch:
+    """One verification round of many requests, concatenated in request order (vLLM v1 style).
+
+    Request r owns draft tokens [cu_r, cu_r + l_r) and target rows [cu_r + r, cu_r + r + l_r + 1),
+    where cu_r = sum of l_j for j < r: its anchor's query position and one per draft token.
+    """
+
+    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64
+    num_draft_tokens: torch.Tensor  # [num_requests] int64, l_r >= 0
+    target_logits: torch.Tensor  # [num_draft_tokens + num_requests, vocab]
+    draft_probs: DraftProbs | None  # None only if no sampled request has a draft token
+    params: list[SamplingParams]  # [num_requests]
+    uniforms: torch.Tensor  # [num_draft_tokens] fp32 in [0, 1)
+    exp_noise: torch.Tensor  # [num_requests, vocab] fp32, iid Exponential(1)
+
+    @property
+    def num_requests(self) -> int:
+        return self.num_draft_tokens.shape[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target_logits.shape[-1]
+
+
+@dataclass
+class RejectionResult:
+    """Per request: the accepted drafts, then the corrected-or-bonus token, then -1 padding."""
+
+    output_token_ids: torch.Tensor  # [num_requests, max_l + 1] int64
+    num_accepted: torch.Tensor  # [num_requests] int64; tokens emitted = num_accepted + 1
+
+
+@dataclass
+class PreparedBatch:
+    """What both backends consume: a validated batch with the target side already evaluated."""
+
+    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64
+    cu_num_draft: torch.Tensor  # [num_requests + 1] int64, cu[r] = first draft token of request r
+    target: torch.Tensor  # [num_draft_tokens + num_requests, vocab] fp32: p_t rows; raw logits for greedy requests
+    is_greedy: torch.Tensor  # [num_requests] bool
+    draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab] fp32 dense p_d; None if unused
+    uniforms: torch.Tensor  # [num_draft_tokens] fp32
+    exp_noise: torch.Tensor  # [num_requests, vocab] fp32
+    max_num_draft: int  # max_r l_r, fixes the output width
+
+
+# ---------------------------------------------------------------------------------------------
+# Random numbers
+# ---------------------------------------------------------------------------------------------
+
+
+def draw_rejection_randoms(
+    num_draft_tokens: torch.Tensor,  # [num_requests] int64
+    vocab: int,
+    generators: list[torch.Generator | None],  # [num_requests]
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # uniforms [num_draft_tokens] fp32, exp_noise [num_requests, vocab] fp32
+    """The random numbers one round consumes, each request's from its own generator.
+
+    A request with a generator draws its l_r uniforms then its vocab exponentials from it, so a
+    seeded request reproduces whatever else is in the batch. Requests without one share a single
+    batched draw from the default generator of `device` (no per-request launches for them).
+    `device` defaults to num_draft_tokens' device.
+    """
+    if num_draft_tokens.dim() != 1:
+        raise ValueError(f"num_draft_tokens must be 1-D [num_requests], got shape {tuple(num_draft_tokens.shape)}")
+    if len(generators) != num_draft_tokens.shape[0]:
+        raise ValueError(
+            f"need one generator (or None) per request: got {len(generators)} for {num_draft_tokens.shape[0]} requests"
+        )
+    device = torch.device(device) if device is not None else num_draft_tokens.device
+    lens = num_draft_tokens.tolist()  # host lengths: they size the per-request slices below
+    total = sum(lens)
+    uniforms = torch.rand(total, device=device)
+    exp_noise = torch.empty(len(lens), vocab, device=device)
+    shared = [r for r, gen in enumerate(generators) if gen is None]
+    if len(shared) == len(lens):
+        exp_noise.exponential_()
+    elif shared:
+        exp_noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
+    offset = 0
+    for r, (n, gen) in enumerate(zip(lens, generators)):
+        # Why a per-request loop: each seeded request must consume only its own stream.
+        if gen is not None:
+            uniforms[offset : offset + n] = torch.rand(n, generator=gen, device=gen.device).to(device)
+            exp_noise[r] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
+        offset += n
+    return uniforms, exp_noise
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation and preparation (the boundary)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _is_int(t: torch.Tensor) -> bool:
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def _expect(name: str, t: torch.Tensor, dims: str, shape: tuple[int, ...], *, integer: bool) -> None:
+    """ValueError unless `t` has `shape` and the right kind of dtype; `dims` names the axes."""
+    kind_ok = _is_int(t) if integer else t.is_floating_point()
+    if tuple(t.shape) != shape or not kind_ok:
+        kind = "integer" if integer else "float"
+        raise ValueError(
+            f"{name} must be {kind} [{dims}] = {list(shape)}, got {t.dtype} {list(t.shape)}"
+        )
+
+
+def _validate_shapes(batch: RejectionBatch) -> list[int]:
+    """Shape, dtype and device checks; returns the host list of l_r."""
+    nd, logits, ids = batch.num_draft_tokens, batch.target_logits, batch.draft_token_ids
+    _check(
+        nd.dim() == 1 and _is_int(nd),
+        f"num_draft_tokens must be integer [num_requests], got {nd.dtype} {list(nd.shape)}",
+    )
+    lens = nd.tolist()  # host sync: the output width and the checks below need the lengths
+    num_requests, total = len(lens), sum(lens)
+    _check(all(n >= 0 for n in lens), f"num_draft_tokens must be >= 0, got {lens}")
+    _check(
+        len(batch.params) == num_requests,
+        f"need one SamplingParams per request: got {len(batch.params)} for {num_requests} requests",
+    )
+    _expect("draft_token_ids", ids, "num_draft_tokens", (total,), integer=True)
+    _check(
+        logits.dim() == 2 and logits.shape[0] == total + num_requests and logits.shape[1] >= 1,
+        f"target_logits must be [num_draft_tokens + num_requests, vocab] with {total} + {num_requests} = "
+        f"{total + num_requests} rows, got {list(logits.shape)}",
+    )
+    _check(logits.is_floating_point(), f"target_logits must be float, got {logits.dtype}")
+    vocab = logits.shape[1]
+    _expect("uniforms", batch.uniforms, "num_draft_tokens", (total,), integer=False)
+    _expect("exp_noise", batch.exp_noise, "num_requests, vocab", (num_requests, vocab), integer=False)
+    tensors = {"draft_token_ids": ids, "uniforms": batch.uniforms, "exp_noise": batch.exp_noise}
+    dp = batch.draft_probs
+    if dp is not None and dp.is_sparse:
+        k = dp.sparse_ids.shape[-1] if dp.sparse_ids.dim() else 0
+        _expect("sparse_ids", dp.sparse_ids, "num_draft_tokens, k", (total, k), integer=True)
+        _expect("sparse_probs", dp.sparse_probs, "num_draft_tokens, k", (total, k), integer=False)
+        tensors |= {"sparse_ids": dp.sparse_ids, "sparse_probs": dp.sparse_probs}
+    elif dp is not None:
+        _expect("dense draft probs", dp.dense, "num_draft_tokens, vocab", (total, vocab), integer=False)
+        tensors["dense draft probs"] = dp.dense
+    for name, t in tensors.items():  # num_draft_tokens may stay on the host
+        _check(t.device == logits.device, f"{name} is on {t.device}, expected target_logits' device {logits.device}")
+    return lens
+
+
+def _validate_values(batch: RejectionBatch, is_greedy: torch.Tensor, target: torch.Tensor) -> None:
+    """Value checks, gathered as flags on the device and read with ONE host sync.
+
+    Messages with details (which values, which sum) are computed only on failure. Rows of greedy
+    requests are never read, so they are not checked; `target` is the evaluated target side.
+    """
+    vocab = batch.vocab_size
+    ids, logits, u, e = batch.draft_token_ids, batch.target_logits, batch.uniforms, batch.exp_noise
+    checks: list[tuple[torch.Tensor, Callable[[], str]]] = [  # (ok flag [], message), in reporting order
+        (
+            ((ids >= 0) & (ids < vocab)).all(),
+            lambda: f"draft_token_ids must be in [0, {vocab}), got values in [{int(ids.min())}, {int(ids.max())}]",
+        ),
+        (~torch.isnan(logits).any(), lambda: "target_logits contain NaN"),
+        (
+            ~torch.isnan(target).any(),
+            lambda: "target probabilities are NaN: a sampled request has a target logits row with no finite "
+            "entry (all -inf or +inf), or a temperature so small that logits / temperature overflow",
+        ),
+        (
+            ((u >= 0) & (u < 1)).all(),
+            lambda: f"uniforms must lie in [0, 1), got values in [{float(u.min())}, {float(u.max())}]",
+        ),
+        ((e >= 0).all(), lambda: "exp_noise must be >= 0 (Exponential(1) draws), got negative or NaN entries"),
+    ]
+    dp = batch.draft_probs
+    if dp is not None and ids.numel():
+        token_request = torch.repeat_interleave(
+            torch.arange(is_greedy.shape[0], device=ids.device),
+            batch.num_draft_tokens.to(ids.device),
+            output_size=ids.shape[0],
+        )  # [num_draft_tokens]
+        skip = is_greedy[token_request]  # [num_draft_tokens]: rows of greedy requests are never read
+        if dp.is_sparse:
+            sid, rows = dp.sparse_ids, dp.sparse_probs.float()  # [num_draft_tokens, k]
+            checks += [
+                (
+                    ((sid >= -1) & (sid < vocab)).all(),
+                    lambda: f"sparse_ids must be in [0, {vocab}) or -1 (padding), "
+                    f"got values in [{int(sid.min())}, {int(sid.max())}]",
+                ),
+                (~((sid < 0) & (rows != 0)).any(), lambda: "sparse padding entries (id -1) must have prob 0"),
+            ]
+            p_x = torch.where(sid == ids[:, None], rows, 0.0).sum(-1)  # [num_draft_tokens] p_d(x_k)
+        else:
+            rows = dp.dense.float()  # [num_draft_tokens, vocab]
+            p_x = rows.gather(1, ids.long().clamp(0, vocab - 1)[:, None]).squeeze(1)  # clamp: range checked above
+        sum_error = torch.where(skip, 0.0, (rows.sum(-1) - 1).abs())  # [num_draft_tokens]
+        checks += [
+            (((rows >= 0).all(-1) | skip).all(), lambda: "draft probs must be non-negative (and not NaN)"),
+            (
+                (sum_error <= _ROW_SUM_TOL).all(),
+                lambda: f"draft prob rows must sum to 1 (tol {_ROW_SUM_TOL}), "
+                f"got a row off by {float(sum_error.max()):.6f}",
+            ),
+            (
+                ((p_x > 0) | skip).all(),
+                lambda: f"a draft token has p_d(x) = 0 under its own row ({int(((p_x <= 0) & ~skip).sum())} such "
+                "tokens): the drafter cannot have sampled it",
+            ),
+        ]
+    flags = torch.stack([ok for ok, _ in checks]).tolist()  # the one host sync of the value checks
+    for flag, (_, message) in zip(flags, checks):
+        if not flag:
+            raise ValueError(message())
+
+
+def densify_draft_probs(draft: DraftProbs, vocab: int) -> torch.Tensor:  # [num_draft_tokens, vocab] fp32
+    """Dense p_d rows; sparse rows are zero outside their ids (padding adds 0 at id 0)."""
+    if not draft.is_sparse:
+        return draft.dense.float()
+    ids = draft.sparse_ids.long().clamp_min(0)
+    probs = torch.where(draft.sparse_ids >= 0, draft.sparse_probs.float(), 0.0)
+    dense = torch.zeros(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
+    return dense.scatter_add_(1, ids, probs)
+
+
+def _target_rows(batch: RejectionBatch, lens: list[int]) -> torch.Tensor:
+    """p_t for every row of a sampled request, raw fp32 logits for every row of a greedy one.
+
+    logits_to_probs runs once per distinct (temperature, top_k, top_p), not once per request.
+    """
+    logits = batch.target_logits
+    target = logits.float()  # rows of greedy requests stay raw logits
+    row_request = torch.repeat_interleave(
+        torch.arange(len(lens)), torch.tensor(lens) + 1, output_size=logits.shape[0]
+    )  # [num_rows] host: request of each target row
+    groups: dict[tuple[float, int, float], list[int]] = {}
+    for r, p in enumerate(batch.params):
+        if not p.is_greedy:
+            groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+    if target is logits and groups:
+        target = target.clone()  # the index_copy_ below must not write into the caller's logits
+    for (temperature, top_k, top_p), reqs in groups.items():
+        if len(reqs) == len(lens):  # one setting for the whole batch: no row gathering
+            return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        rows = torch.isin(row_request, torch.tensor(reqs)).nonzero().squeeze(1).to(logits.device)  # [n_rows_in_group]
+        probs = logits_to_probs(logits.index_select(0, rows), temperature=temperature, top_k=top_k, top_p=top_p)
+        target.index_copy_(0, rows, probs)
+    return target
+
+
+def prepare_batch(batch: RejectionBatch) -> PreparedBatch:
+    """Validate `batch` (ValueError naming what was got and expected) and evaluate the target side."""
+    _check(isinstance(batch, RejectionBatch), f"expected a RejectionBatch, got {type(batch).__name__}")
+    lens = _validate_shapes(batch)
+    device = batch.target_logits.device
+    sampled_has_drafts = any(n > 0 and not p.is_greedy for n, p in zip(lens, batch.params))
+    _check(
+        batch.draft_probs is not None or not sampled_has_drafts,
+        "draft_probs is None but a request with temperature > 0 has draft tokens; expected the drafter's rows",
+    )
+    is_greedy = torch.tensor([p.is_greedy for p in batch.params], dtype=torch.bool, device=device)
+    target = _target_rows(batch, lens)
+    _validate_values(batch, is_greedy, target)
+    vocab = batch.vocab_size
+    nd = batch.num_draft_tokens.to(device=device, dtype=torch.int64)
+    return PreparedBatch(
+        draft_token_ids=batch.draft_token_ids.to(torch.int64).contiguous(),
+        cu_num_draft=torch.nn.functional.pad(torch.cumsum(nd, 0), (1, 0)),
+        target=target.contiguous(),
+        is_greedy=is_greedy,
+        draft_probs=densify_draft_probs(batch.draft_probs, vocab).contiguous() if sampled_has_drafts else None,
+        uniforms=batch.uniforms.float().contiguous(),
+        exp_noise=batch.exp_noise.float().contiguous(),
+        max_num_draft=max(lens, default=0),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference
+# ---------------------------------------------------------------------------------------------
+
+
+def exponential_race(
+    weights: torch.Tensor,  # [vocab] fp32, unnormalised, >= 0
+    fallback: torch.Tensor,  # [vocab] fp32, used if weights are all zero
+    exp_noise: torch.Tensor,  # [vocab] fp32, iid Exp(1)
+) -> int:
+    """One categorical draw from weights / sum(weights): argmax_v w(v) / E(v), ties to the lowest id.
+
+    Zero-weight tokens score -1 so they never win, even if every positive score underflows.
+    An all-zero residual can only come from rounding (p_t == p_d up to fp32); then draw from p_t.
+    """
+    if not bool((weights > 0).any()):
+        weights = fallback
+    scores = torch.where(weights > 0, weights / exp_noise, -1.0)
+    return int(torch.argmax(scores))
+
+
+def rejection_sample_reference(prep: PreparedBatch) -> RejectionResult:
+    """Plain per-request loop over a prepared batch: the definition the kernel must match exactly.
+
+    Invariant of the loop over k: x_1..x_k have been accepted and written to the output; the
+    request emits exactly one more token (a residual draw at the first rejection, or the bonus).
+    """
+    num_requests = prep.is_greedy.shape[0]
+    device = prep.target.device
+    out = torch.full((num_requests, prep.max_num_draft + 1), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
+    cu = prep.cu_num_draft.tolist()
+    for r in range(num_requests):
+        start, n = cu[r], cu[r + 1] - cu[r]
+        row0 = start + r  # target row of the anchor's query position
+        if bool(prep.is_greedy[r]):
+            for k in range(n + 1):
+                best = int(torch.argmax(prep.target[row0 + k]))
+                out[r, k] = best  # an accepted draft equals the argmax; otherwise this is the correction/bonus
+                if k == n or int(prep.draft_token_ids[start + k]) != best:
+                    num_accepted[r] = k
+                    break
+            continue
+        k = 0
+        while k < n:
+            x = int(prep.draft_token_ids[start + k])
+            p_t, p_d = prep.target[row0 + k, x], prep.draft_probs[start + k, x]
+            if not bool(prep.uniforms[start + k] * p_d < p_t):  # u < p_t / p_d without dividing
+                break
+            out[r, k] = x
+            k += 1
+        num_accepted[r] = k
+        p_t_row = prep.target[row0 + k]
+        weights = (p_t_row - prep.draft_probs[start + k]).clamp_min(0.0) if k < n else p_t_row
+        out[r, k] = exponential_race(weights, p_t_row, prep.exp_noise[r])
+    return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def rejection_sample(batch: RejectionBatch, *, backend: str = "torch") -> RejectionResult:
+    """Verify a round's draft tokens; exact for every request (see the module docstring).
+
+    backend="torch" runs the plain reference; backend="triton" the fused kernel (one program per
+    request; CPU tensors need TRITON_INTERPRET=1 set before triton is first imported).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    prep = prepare_batch(batch)
+    if backend == "torch":
+        return rejection_sample_reference(prep)
+    # Imported here so that the torch path (and `import dspark.sampling`) never imports triton.
+    from dspark.sampling.rejection_kernel import rejection_sample_triton
+
+    out, num_accepted = rejection_sample_triton(
+        draft_token_ids=prep.draft_token_ids,
+        cu_num_draft=prep.cu_num_draft,
+        target=prep.target,
+        is_greedy=prep.is_greedy,
+        draft_probs=prep.draft_probs,
+        uniforms=prep.uniforms,
+        exp_noise=prep.exp_noise,
+        max_num_draft=prep.max_num_draft,
+    )
+    return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
