@@ -1,0 +1,71 @@
+"""The contract between a drafter and the speculative engine.
+
+A drafter sees, per request, the tokens so far (prompt + output, the last one being the anchor
+x_0 whose K/V the target has not computed yet) and proposes up to γ draft tokens together with
+the exact distribution rows it sampled them from. Losslessness needs nothing else from it: the
+rejection sampler is exact for ANY p_d, provided it is the p_d the drafter really sampled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dspark.sampling.params import SamplingParams
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    token_ids: list[int]  # prompt + generated so far; token_ids[-1] is the anchor x_0
+    num_prompt_tokens: int
+    params: SamplingParams
+    max_draft_tokens: int  # γ for this round (may be less near max_tokens)
+
+
+@dataclass
+class DraftProposal:
+    token_ids: torch.Tensor  # [num_draft] int64 (may be empty)
+    # The rows the tokens were sampled from, sparse: ids + probs, zero elsewhere. A deterministic
+    # drafter (n-gram lookup) proposes from a point mass: ids [[x_k]], probs [[1.0]].
+    prob_ids: torch.Tensor  # [num_draft, k] int64
+    probs: torch.Tensor  # [num_draft, k] fp32, rows sum to 1
+    confidences: torch.Tensor | None = None  # [num_draft] calibrated survival probability, if the drafter has one
+
+    @classmethod
+    def empty(cls) -> "DraftProposal":
+        return cls(
+            token_ids=torch.empty(0, dtype=torch.long),
+            prob_ids=torch.empty(0, 1, dtype=torch.long),
+            probs=torch.empty(0, 1, dtype=torch.float32),
+        )
+
+    @classmethod
+    def point_mass(cls, token_ids: list[int]) -> "DraftProposal":
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        return cls(token_ids=ids, prob_ids=ids.unsqueeze(1), probs=torch.ones(len(token_ids), 1))
+
+    def __len__(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]: ...
+
+    def remove_request(self, request_id: str) -> None: ...
+
+
+class NoDrafter:
+    """Plain autoregressive decoding: nothing proposed, every round emits one target token."""
+
+    name = "none"
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        return [DraftProposal.empty() for _ in requests]
+
+    def remove_request(self, request_id: str) -> None:
+        pass

@@ -1,0 +1,139 @@
+"""The target model as the verifier runs it: requests, their KV caches, one batched forward.
+
+    runtime = TargetRuntime.load(TargetConfig())
+    runtime.add_request("a", max_tokens=512)           # reserves KV (or raises KVBudgetExceeded)
+    out = runtime.forward(["a"], token_ids, [len(prompt)], logits_indices=...)
+    runtime.truncate("a", kept_length)                 # drop rejected speculative tokens
+    runtime.free_request("a")
+
+`forward` appends the K/V of every query token to its request's cache; the caller (the
+speculative engine) truncates back to the accepted prefix after rejection sampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.model.config import ModelConfig
+from dspark.model.kv_cache import KVBudgetExceeded, KVCache
+from dspark.model.model_store import DEFAULT_MODEL, resolve_model_dir
+from dspark.model.transformer import AttentionMetadata, Transformer
+
+__all__ = ["TargetConfig", "TargetRuntime", "ForwardOutput", "KVBudgetExceeded", "default_capture_layers"]
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def default_capture_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` layers spread evenly from the second to the third-to-last (DeepSpec's choice,
+    e.g. [1, 9, 17, 25, 33] of Qwen3-4B's 36 layers)."""
+    if num_layers <= count:
+        return tuple(range(num_layers))
+    first, last = 1, num_layers - 3
+    return tuple(round(first + i * (last - first) / (count - 1)) for i in range(count))
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model: str = DEFAULT_MODEL  # the default model's name, or a local HF Llama/Qwen directory
+    dtype: str = "bfloat16"  # compute dtype of the linear layers (fp32 for bit-exact comparisons)
+    kv_budget_mb: int = 4096  # memory for all requests' KV caches together
+    capture_layers: tuple[int, ...] | None = None  # target layers whose hidden states feed the drafter; None = 5 spread evenly
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.kv_budget_mb <= 0:
+            raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [num_tokens, hidden] final normed hidden states (LM head input)
+    logits: torch.Tensor  # [num_logits, vocab] fp32, rows of `logits_indices` (all tokens if None)
+    captured: torch.Tensor | None = None  # [num_tokens, num_capture_layers, hidden] when capture=True
+    query_start: list[int] = field(default_factory=list)  # offset of each request's first token
+
+
+class TargetRuntime:
+    def __init__(self, model: Transformer, *, kv_budget_tokens: int, capture_layers: tuple[int, ...] | None = None, max_model_len: int | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.capture_layers = capture_layers if capture_layers is not None else default_capture_layers(self.config.num_layers)
+        bad = [l for l in self.capture_layers if not 0 <= l < self.config.num_layers]
+        if bad:
+            raise ValueError(f"capture layers {bad} out of range for a {self.config.num_layers}-layer model")
+        self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        self.kv = KVCache(self.config, budget_tokens=kv_budget_tokens, dtype=model.compute_dtype)
+
+    @classmethod
+    def load(cls, cfg: TargetConfig = TargetConfig()) -> "TargetRuntime":
+        model_dir = resolve_model_dir(cfg.model)
+        model = Transformer.from_dir(model_dir, compute_dtype=DTYPES[cfg.dtype])
+        tokens = cfg.kv_budget_mb * 2**20 // model.config.kv_bytes_per_token(DTYPES[cfg.dtype].itemsize)
+        runtime = cls(model, kv_budget_tokens=int(tokens), capture_layers=cfg.capture_layers, max_model_len=cfg.max_model_len)
+        runtime.model_dir = model_dir
+        return runtime
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ---- request lifecycle ---------------------------------------------------------------
+
+    def add_request(self, request_id: str, max_tokens: int) -> None:
+        """Reserve KV for a request that may reach `max_tokens` tokens (prompt + output + draft slack)."""
+        if max_tokens > self.max_model_len:
+            raise ValueError(f"request {request_id!r} needs {max_tokens} tokens, the context window is {self.max_model_len}")
+        self.kv.allocate(request_id, max_tokens)
+
+    def free_request(self, request_id: str) -> None:
+        self.kv.free(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.kv.requests
+
+    def context_len(self, request_id: str) -> int:
+        return self.kv.get(request_id).length
+
+    def truncate(self, request_id: str, length: int) -> None:
+        self.kv.truncate(request_id, length)
+
+    # ---- the forward pass ----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        request_ids: list[str],
+        token_ids: torch.Tensor,  # [num_tokens] int64, requests concatenated in order
+        query_lens: list[int],
+        *,
+        logits_indices: torch.Tensor | None = None,  # [num_logits] rows of the batch that need logits; None = all
+        capture: bool = False,
+    ) -> ForwardOutput:
+        if len(request_ids) != len(query_lens):
+            raise ValueError(f"{len(request_ids)} request ids but {len(query_lens)} query lengths")
+        if token_ids.dim() != 1 or token_ids.shape[0] != sum(query_lens):
+            raise ValueError(f"token_ids must be 1-D with sum(query_lens)={sum(query_lens)} entries, got shape {tuple(token_ids.shape)}")
+        if len(set(request_ids)) != len(request_ids):
+            raise ValueError("a request may appear only once per forward")
+        if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range [{int(token_ids.min())}, {int(token_ids.max())}]")
+        caches = [self.kv.get(r) for r in request_ids]
+        for rid, cache, q in zip(request_ids, caches, query_lens):
+            if q < 1:
+                raise ValueError(f"request {rid!r}: query length must be >= 1, got {q}")
+            if cache.length + q > cache.capacity:
+                raise ValueError(f"request {rid!r}: {cache.length}+{q} tokens exceed its reserved KV of {cache.capacity}")
+        meta = AttentionMetadata.build(caches, query_lens)
+        hidden, captured = self.model(
+            token_ids, meta.positions(), meta, capture_layers=self.capture_layers if capture else ()
+        )
+        for cache, q in zip(caches, query_lens):
+            cache.length += q
+        rows = hidden if logits_indices is None else hidden[logits_indices]
+        starts = torch.tensor([0] + query_lens[:-1]).cumsum(0).tolist() if query_lens else []
+        return ForwardOutput(hidden=hidden, logits=self.model.compute_logits(rows), captured=captured, query_start=starts)
