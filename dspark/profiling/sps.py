@@ -1,0 +1,98 @@
+"""SPS(B): verifier steps per second as a function of the batch size B in tokens.
+
+The prefix scheduler (DSPARK.md section 5) maximises τ·SPS(B), so it needs this curve for the
+hardware it runs on. It is measured once at start-up on dummy requests shaped like verification
+batches (requests of up to γ+1 query tokens over a cached context), at a grid of batch sizes,
+and interpolated linearly in step time in between. Run `dspark profile` to print it.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dspark.model.target_runtime import TargetRuntime
+
+_GRID = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+@dataclass
+class SPSProfile:
+    batch_sizes: list[int]  # measured B, ascending
+    step_seconds: list[float]  # median forward time at each B
+
+    def step_time(self, batch_size: int) -> float:
+        """Seconds per verifier step of `batch_size` tokens (linear in between measured points,
+        proportional to B beyond the last one: the regime there is compute-bound)."""
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        bs, ts = self.batch_sizes, self.step_seconds
+        if batch_size >= bs[-1]:
+            return ts[-1] * batch_size / bs[-1]
+        if batch_size <= bs[0]:
+            return ts[0]
+        for (b0, t0), (b1, t1) in zip(zip(bs, ts), zip(bs[1:], ts[1:])):
+            if b0 <= batch_size <= b1:
+                return t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
+        raise AssertionError("unreachable")
+
+    def sps(self, batch_size: int) -> float:
+        return 1.0 / self.step_time(batch_size)
+
+    def table(self, upto: int | None = None) -> list[float]:
+        """SPS for B = 1..upto (index B-1), what the vectorised scheduler looks up."""
+        upto = upto or self.batch_sizes[-1]
+        return [self.sps(b) for b in range(1, upto + 1)]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "SPSProfile":
+        return cls(**json.loads(text))
+
+
+def profile_sps(
+    runtime: TargetRuntime,
+    *,
+    max_batch: int = 64,
+    tokens_per_request: int = 8,
+    context_len: int = 128,
+    repeats: int = 3,
+) -> SPSProfile:
+    """Time one verifier forward for each grid B <= max_batch (median of `repeats`)."""
+    if max_batch < 1 or tokens_per_request < 1:
+        raise ValueError(f"need max_batch >= 1 and tokens_per_request >= 1, got {max_batch}, {tokens_per_request}")
+    grid = [b for b in _GRID if b <= max_batch]
+    if grid[-1] != max_batch:
+        grid.append(max_batch)
+    num_requests = -(-max_batch // tokens_per_request)
+    ids = [f"__sps_profile_{i}" for i in range(num_requests)]
+    gen = torch.Generator().manual_seed(0)
+    vocab = runtime.vocab_size
+    try:
+        for rid in ids:
+            runtime.add_request(rid, context_len + tokens_per_request)
+        runtime.forward(ids, torch.randint(0, vocab, (num_requests * context_len,), generator=gen), [context_len] * num_requests,
+                        logits_indices=torch.empty(0, dtype=torch.long))
+        times = []
+        for b in grid:
+            lens = [min(tokens_per_request, b - i * tokens_per_request) for i in range(-(-b // tokens_per_request))]
+            batch_ids = ids[: len(lens)]
+            tokens = torch.randint(0, vocab, (b,), generator=gen)
+            samples = []
+            for _ in range(repeats + 1):  # the first run warms caches and allocator
+                t0 = time.perf_counter()
+                runtime.forward(batch_ids, tokens, lens)
+                samples.append(time.perf_counter() - t0)
+                for rid in batch_ids:
+                    runtime.truncate(rid, context_len)
+            times.append(statistics.median(samples[1:]))
+    finally:
+        for rid in ids:
+            runtime.free_request(rid)
+    return SPSProfile(batch_sizes=grid, step_seconds=times)
