@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-DRAFTERS = ("none", "ngram")
+from dspark.drafters import DRAFTERS, make_drafter
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -25,16 +25,6 @@ def _target_config(args):
     from dspark.model.target_runtime import TargetConfig
 
     return TargetConfig(model=args.model, dtype=args.dtype, kv_budget_mb=args.kv_budget_mb)
-
-
-def make_drafter(name: str):
-    from dspark.drafters.ngram import NgramDrafter
-
-    if name == "none":
-        return None
-    if name == "ngram":
-        return NgramDrafter()
-    raise ValueError(f"unknown drafter {name!r}; expected one of {DRAFTERS}")
 
 
 def cmd_generate(args) -> int:

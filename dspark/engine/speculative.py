@@ -104,7 +104,7 @@ class SpeculativeEngine:
         bad = [t for t in request.prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
-        need = len(request.prompt_ids) + request.max_new_tokens
+        need = self.kv_tokens_needed(request)
         if need > self.runtime.max_model_len:
             raise ValueError(
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {need} "
@@ -112,12 +112,22 @@ class SpeculativeEngine:
             )
         if request.request_id in self.running:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if need > self.runtime.kv.budget_tokens:
+            raise ValueError(
+                f"the request needs {need} KV tokens (prompt {len(request.prompt_ids)} + max_new_tokens "
+                f"{request.max_new_tokens}), the whole KV budget is {self.runtime.kv.budget_tokens}"
+            )
+
+    @staticmethod
+    def kv_tokens_needed(request: GenerationRequest) -> int:
+        """KV a request reserves: prompt + output (the last emitted token never enters the cache,
+        and drafts are capped so that a round never passes max_new_tokens)."""
+        return len(request.prompt_ids) + request.max_new_tokens
 
     def add_request(self, request: GenerationRequest) -> None:
         """Admit a request; raises KVBudgetExceeded when its KV cannot be reserved now."""
         self.validate(request)
-        # prompt + output; the last emitted token never enters the cache, drafts are cut to fit
-        self.runtime.add_request(request.request_id, len(request.prompt_ids) + request.max_new_tokens)
+        self.runtime.add_request(request.request_id, self.kv_tokens_needed(request))
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))

@@ -36,7 +36,7 @@ class RequestKV:
 
 
 class KVCache:
-    def __init__(self, config: ModelConfig, *, budget_tokens: int, dtype: torch.dtype, device: str | torch.device = "cpu"):
+    def __init__(self, config: ModelConfig, *, budget_tokens: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         if budget_tokens <= 0:
             raise ValueError(f"KV budget must be positive, got {budget_tokens} tokens")
         self.config = config

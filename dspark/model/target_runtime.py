@@ -32,6 +32,8 @@ def default_capture_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
     if num_layers <= count:
         return tuple(range(num_layers))
     first, last = 1, num_layers - 3
+    if last - first + 1 < count:  # too shallow for that range: spread over all layers instead
+        first, last = 0, num_layers - 1
     return tuple(round(first + i * (last - first) / (count - 1)) for i in range(count))
 
 
@@ -67,13 +69,14 @@ class TargetRuntime:
         if bad:
             raise ValueError(f"capture layers {bad} out of range for a {self.config.num_layers}-layer model")
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        self.kv = KVCache(self.config, budget_tokens=kv_budget_tokens, dtype=model.compute_dtype)
+        # fp32 K/V: attention runs in fp32 and reads the cache without conversion copies
+        self.kv = KVCache(self.config, budget_tokens=kv_budget_tokens, dtype=torch.float32)
 
     @classmethod
     def load(cls, cfg: TargetConfig = TargetConfig()) -> "TargetRuntime":
         model_dir = resolve_model_dir(cfg.model)
         model = Transformer.from_dir(model_dir, compute_dtype=DTYPES[cfg.dtype])
-        tokens = cfg.kv_budget_mb * 2**20 // model.config.kv_bytes_per_token(DTYPES[cfg.dtype].itemsize)
+        tokens = cfg.kv_budget_mb * 2**20 // model.config.kv_bytes_per_token(torch.float32.itemsize)
         runtime = cls(model, kv_budget_tokens=int(tokens), capture_layers=cfg.capture_layers, max_model_len=cfg.max_model_len)
         runtime.model_dir = model_dir
         return runtime
@@ -120,6 +123,16 @@ class TargetRuntime:
             raise ValueError(f"token_ids must be 1-D with sum(query_lens)={sum(query_lens)} entries, got shape {tuple(token_ids.shape)}")
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("a request may appear only once per forward")
+        if not request_ids:
+            raise ValueError("a forward needs at least one request")
+        if token_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"token_ids must be int64 (or int32), got {token_ids.dtype}")
+        num_tokens = token_ids.shape[0]
+        if logits_indices is not None and logits_indices.numel() and (
+            logits_indices.dtype not in (torch.int64, torch.int32)
+            or int(logits_indices.min()) < 0 or int(logits_indices.max()) >= num_tokens
+        ):
+            raise ValueError(f"logits_indices must be integer rows in [0, {num_tokens}), got {logits_indices.tolist()}")
         if token_ids.numel() and (int(token_ids.min()) < 0 or int(token_ids.max()) >= self.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.vocab_size}), got range [{int(token_ids.min())}, {int(token_ids.max())}]")
         caches = [self.kv.get(r) for r in request_ids]

@@ -1,0 +1,78 @@
+"""`dspark serve`: the embedded OpenAI-compatible server, one process, no external services.
+
+    dspark serve --port 8000 --drafter ngram --gamma 7
+    curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+        -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Start-up order: load the target and tokenizer, build the drafter and the engine, run one short
+generation so the first client does not pay for lazy initialisation, start the engine thread,
+then accept connections. Shutdown stops uvicorn first, then the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import uvicorn
+
+from dspark.drafters import make_drafter
+from dspark.engine.async_engine import AsyncEngine
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.model.model_store import DEFAULT_MODEL
+from dspark.model.target_runtime import TargetConfig, TargetRuntime
+from dspark.model.tokenizer import Tokenizer
+from dspark.sampling.params import SamplingParams
+from gateway.app import create_app
+
+__all__ = ["build_engine", "serve", "served_model_name", "warm_up"]
+
+log = logging.getLogger(__name__)
+
+def served_model_name(model: str) -> str:
+    """The id clients put in `model`: the default model's name, or the checkpoint directory's name."""
+    return model if model == DEFAULT_MODEL else Path(model).expanduser().resolve().name
+
+
+def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
+    """One short greedy generation (a prefill and a decode round) on the caller's thread, before
+    the engine thread exists; returns its seconds."""
+    t0 = time.perf_counter()
+    prompt = tokenizer.encode("Hello, world. Hello, world.") or [0]
+    engine.generate([GenerationRequest("warmup", prompt, 4, SamplingParams(temperature=0.0))])
+    return time.perf_counter() - t0
+
+
+def build_engine(target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7) -> tuple[AsyncEngine, Tokenizer]:
+    """Load, warm up and start: an AsyncEngine ready for requests, and the target's tokenizer."""
+    runtime = TargetRuntime.load(target)
+    tokenizer = Tokenizer(runtime.model_dir)
+    engine = SpeculativeEngine(runtime, make_drafter(drafter), num_speculative_tokens=gamma)
+    log.info("warm-up took %.2f s", warm_up(engine, tokenizer))
+    return AsyncEngine(engine).start(), tokenizer
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model: str = DEFAULT_MODEL,
+    drafter: str = "ngram",
+    gamma: int = 7,
+    *,
+    target: TargetConfig | None = None,  # overrides `model` (dtype, KV budget, context length)
+    max_tokens_limit: int = 2048,
+    model_name: str | None = None,  # the id clients send; default: see served_model_name
+    log_level: str = "info",
+) -> None:
+    make_drafter(drafter)  # fail on a bad name before loading anything
+    target = target or TargetConfig(model=model)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma)
+    name = model_name or served_model_name(target.model)
+    app = create_app(engine, tokenizer, model_name=name, max_tokens_limit=max_tokens_limit)
+    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d)", name, host, port, drafter, gamma)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        engine.shutdown()

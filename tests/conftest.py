@@ -1,0 +1,163 @@
+"""Shared fixtures: a tiny random Llama behind a TargetRuntime, and the real default model.
+
+Fast tests build `Transformer(ModelConfig.tiny())` with seeded random weights named as in a
+Hugging Face checkpoint (so the same dict also loads into `transformers` for reference checks)
+and wrap it in a `TargetRuntime`: milliseconds per forward. Tests marked `slow` load the real
+default model once per session (a few seconds once it is cached under ~/.cache/dspark).
+
+    python -m pytest tests -q                 # everything
+    python -m pytest tests -q -m "not slow"   # fast tests only
+    python -m pytest tests -q -m slow         # slow tests only
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.model.config import ModelConfig
+from dspark.model.target_runtime import TargetConfig, TargetRuntime
+from dspark.model.transformer import Transformer
+
+# Scales of the random weights: large enough that distributions are not near-uniform (greedy
+# margins are wide, temperature-1 sampling is neither flat nor a point mass).
+EMBED_STD = 0.3  # tied LM head: logits have std ~ EMBED_STD * sqrt(hidden_size)
+
+
+def random_hf_state_dict(config: ModelConfig, *, seed: int, embed_std: float = EMBED_STD) -> dict[str, torch.Tensor]:
+    """Seeded random fp32 weights for `config`, named and shaped as in a HF Llama/Qwen checkpoint.
+
+    `embed_std` sets how peaked the next-token distributions are (smaller = flatter)."""
+    g = torch.Generator().manual_seed(seed)
+    c = config
+
+    def linear(out_features: int, in_features: int) -> torch.Tensor:  # [out, in]
+        return torch.randn(out_features, in_features, generator=g) / in_features**0.5
+
+    def norm(dim: int) -> torch.Tensor:  # [dim], around 1 so that a wrong norm weight shows
+        return 1.0 + 0.1 * torch.randn(dim, generator=g)
+
+    sd = {"model.embed_tokens.weight": embed_std * torch.randn(c.vocab_size, c.hidden_size, generator=g)}
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = norm(c.hidden_size)
+        sd[p + "post_attention_layernorm.weight"] = norm(c.hidden_size)
+        sd[p + "self_attn.q_proj.weight"] = linear(c.q_size, c.hidden_size)
+        sd[p + "self_attn.k_proj.weight"] = linear(c.kv_size, c.hidden_size)
+        sd[p + "self_attn.v_proj.weight"] = linear(c.kv_size, c.hidden_size)
+        sd[p + "self_attn.o_proj.weight"] = linear(c.hidden_size, c.q_size)
+        sd[p + "mlp.gate_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
+        sd[p + "mlp.up_proj.weight"] = linear(c.intermediate_size, c.hidden_size)
+        sd[p + "mlp.down_proj.weight"] = linear(c.hidden_size, c.intermediate_size)
+        if c.attention_bias:
+            for name, size in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
+                sd[p + f"self_attn.{name}_proj.bias"] = 0.1 * torch.randn(size, generator=g)
+        if c.qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = norm(c.head_dim)
+            sd[p + "self_attn.k_norm.weight"] = norm(c.head_dim)
+    sd["model.norm.weight"] = norm(c.hidden_size)
+    if not c.tie_word_embeddings:
+        sd["lm_head.weight"] = embed_std * torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    return sd
+
+
+def build_transformer(
+    config: ModelConfig, sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.bfloat16
+) -> Transformer:
+    """Our model with `sd` loaded, ready for inference (as Transformer.from_dir leaves it)."""
+    model = Transformer(config, compute_dtype=compute_dtype)
+    model.load_hf_state_dict(sd)
+    model.eval().requires_grad_(False)
+    model.prepare_for_inference()
+    return model
+
+
+def make_tiny_runtime(
+    *,
+    seed: int = 0,
+    embed_std: float = EMBED_STD,
+    compute_dtype: torch.dtype = torch.bfloat16,
+    kv_budget_tokens: int = 1 << 16,
+    capture_layers: tuple[int, ...] | None = None,
+    max_model_len: int | None = None,
+    **config_overrides,
+) -> TargetRuntime:
+    """A TargetRuntime around a seeded random `ModelConfig.tiny(**config_overrides)`."""
+    config = ModelConfig.tiny(**config_overrides)
+    model = build_transformer(config, random_hf_state_dict(config, seed=seed, embed_std=embed_std), compute_dtype=compute_dtype)
+    return TargetRuntime(model, kv_budget_tokens=kv_budget_tokens, capture_layers=capture_layers, max_model_len=max_model_len)
+
+
+@pytest.fixture
+def tiny_runtime() -> TargetRuntime:
+    """The tiny random Llama (vocab 256, 4 layers), bf16 linear layers, fresh KV per test."""
+    return make_tiny_runtime()
+
+
+@pytest.fixture
+def tiny_runtime_factory():
+    """`make_tiny_runtime(**kwargs)`: other seeds, dtypes, budgets or config overrides."""
+    return make_tiny_runtime
+
+
+@pytest.fixture
+def hf_state_dict_for():
+    """`random_hf_state_dict(config, seed=...)`: weights to load into both HF and our model."""
+    return random_hf_state_dict
+
+
+@pytest.fixture
+def transformer_from():
+    """`build_transformer(config, sd, compute_dtype=...)`."""
+    return build_transformer
+
+
+# ---- the real default model (tests marked slow) ------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def real_model_dir():
+    """The default model's HF directory (converted once from its GGUF package), or a skip."""
+    from dspark.model.model_store import DEFAULT_MODEL, resolve_model_dir
+
+    try:
+        return resolve_model_dir(DEFAULT_MODEL)
+    except FileNotFoundError as e:  # the default model's package is not installed here
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def load_real_runtime(real_model_dir):
+    """`load(dtype)` -> the default model's TargetRuntime, loaded once per dtype per session.
+
+    Callers must free every request they add: the runtime is shared by all slow tests.
+    """
+    cache: dict[str, TargetRuntime] = {}
+
+    def load(dtype: str = "bfloat16") -> TargetRuntime:
+        if dtype not in cache:
+            cache[dtype] = TargetRuntime.load(TargetConfig(model=str(real_model_dir), dtype=dtype))
+        return cache[dtype]
+
+    return load
+
+
+@pytest.fixture(scope="session")
+def real_runtime(load_real_runtime) -> TargetRuntime:
+    """The default model with bf16 linear layers (the serving configuration)."""
+    return load_real_runtime("bfloat16")
+
+
+@pytest.fixture(scope="session")
+def real_hf_model(real_model_dir):
+    """The default model as `transformers` runs it, fp32: the reference for our runtime."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def real_tokenizer(real_model_dir):
+    from dspark.model.tokenizer import Tokenizer
+
+    return Tokenizer(real_model_dir)

@@ -1,0 +1,489 @@
+"""The embedded OpenAI-compatible server: AsyncEngine behaviour (tiny random model, fast), the
+incremental detokeniser (pure), and the REST API on the real default model (slow, one
+module-scoped model)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine.async_engine import AsyncEngine, EngineError
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.model.target_runtime import TargetRuntime
+from dspark.sampling.params import SamplingParams
+from gateway.app import TextStream, create_app, parse_sse
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def wait_until(cond, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest):
+    tokens, last = [], None
+    async for delta in engine.generate(request):
+        tokens += delta.new_token_ids
+        last = delta
+    return tokens, last
+
+
+# ---- TextStream: stable text, UTF-8 hold-back, stop strings across pushes -----------------
+
+
+def byte_decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_incomplete_utf8():
+    stream = TextStream(byte_decode)
+    pieces = [stream.push([b]) for b in "a日".encode()]
+    assert pieces == ["a", "", "", "日"]
+    assert stream.push(list("é".encode())[:1]) == ""
+    assert stream.finish() == "\ufffd"  # an unfinished sequence at the very end is released as decoded
+
+
+def test_text_stream_cuts_at_stop_string_split_across_pushes():
+    stream = TextStream(byte_decode, ["END"])
+    assert stream.push(list(b"abcE")) == "abc"  # "E" might start "END": held back
+    assert stream.push(list(b"N")) == ""
+    assert stream.push(list(b"Dxyz")) == "" and stream.stopped
+    assert stream.text == "abc"
+
+
+def test_text_stream_releases_a_false_stop_prefix():
+    stream = TextStream(byte_decode, ["END"])
+    assert stream.push(list(b"xEN")) == "x"
+    assert stream.push(list(b"d")) == "ENd"
+    assert stream.finish() == "" and not stream.stopped
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_text_stream_equals_one_shot_cut_for_any_split(seed):
+    rng = random.Random(seed)
+    alphabet = ["a", "b", " ", "é", "日", "🎉", "\n"]
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+    stops = [rng.choice(["b ", "日a", "ab", "🎉\n", "zz"]) for _ in range(rng.randint(0, 2))]
+    data = list(text.encode())
+    stream, out = TextStream(byte_decode, stops), []
+    i = 0
+    while i < len(data):
+        k = rng.randint(1, 4)
+        out.append(stream.push(data[i : i + k]))
+        i += k
+        if stream.stopped:
+            break
+    out.append(stream.finish())
+    cuts = [text.find(s) for s in stops if s in text]
+    assert "".join(out) == (text[: min(cuts)] if cuts else text)
+    assert stream.stopped == bool(cuts)
+
+
+# ---- AsyncEngine on a tiny random model ---------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_requests_beyond_the_kv_budget_wait_in_fifo_order_and_all_complete(tiny_engine):
+    engine = tiny_engine(kv_budget_tokens=70)  # each request reserves 10 + 20 = 30: two at a time
+    admitted, peak, gate = [], [], threading.Event()
+    add, step = engine.engine.add_request, engine.engine.step
+
+    def recording_add(req):
+        add(req)
+        admitted.append(req.request_id)
+
+    def gated_step():
+        gate.wait(10)  # hold the first step until every request is queued
+        peak.append(len(engine.engine.running))
+        return step()
+
+    engine.engine.add_request, engine.engine.step = recording_add, gated_step
+    reqs = [GenerationRequest(f"r{i}", list(range(1 + i, 11 + i)), 20, GREEDY) for i in range(5)]
+    tasks = [asyncio.ensure_future(collect(engine, r)) for r in reqs]  # their submissions run in this order
+    await asyncio.sleep(0.1)
+    gate.set()
+    results = await asyncio.gather(*tasks)
+    assert all(last.finish_reason == "length" and len(toks) == 20 for toks, last in results)
+    assert admitted == [r.request_id for r in reqs]
+    assert max(peak) == 2
+    assert engine.runtime.kv.reserved_tokens == 0
+
+
+@pytest.mark.anyio
+async def test_bad_requests_fail_only_their_consumer(tiny_engine):
+    engine = tiny_engine(kv_budget_tokens=100)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        await collect(engine, GenerationRequest("bad", [1, 999], 4, GREEDY))
+    with pytest.raises(ValueError, match="whole KV budget is 100"):
+        await collect(engine, GenerationRequest("huge", [1] * 50, 60, GREEDY))
+    with pytest.raises(ValueError, match="empty"):
+        await collect(engine, GenerationRequest("empty", [], 4, GREEDY))
+    tokens, last = await collect(engine, GenerationRequest("good", [1, 2, 3], 5, GREEDY))
+    assert len(tokens) == 5 and last.stats.completion_tokens == 5 and last.stats.prompt_tokens == 3
+
+
+@pytest.mark.anyio
+async def test_a_failing_step_fails_running_requests_and_the_loop_goes_on(tiny_engine):
+    engine = tiny_engine()
+    step, calls = engine.engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return step()
+
+    engine.engine.step = flaky_step
+    with pytest.raises(EngineError, match="boom"):
+        await collect(engine, GenerationRequest("a", [1, 2, 3], 10, GREEDY))
+    assert engine.runtime.kv.reserved_tokens == 0 and not engine.engine.running
+    tokens, last = await collect(engine, GenerationRequest("b", [1, 2, 3], 4, GREEDY))
+    assert len(tokens) == 4 and last.finish_reason == "length"
+
+
+@pytest.mark.anyio
+async def test_leaving_generate_early_aborts_and_frees_kv(tiny_engine):
+    engine = tiny_engine(drafter=NgramDrafter())
+    async for delta in engine.generate(GenerationRequest("long", [5, 6, 7], 400, GREEDY)):
+        assert engine.runtime.kv.reserved_tokens == 403
+        break
+    assert await asyncio.to_thread(wait_until, lambda: engine.runtime.kv.reserved_tokens == 0, 5.0)
+    assert not engine.engine.running and engine.num_running == 0
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_consumer_leaves_the_kv_queue(tiny_engine):
+    engine = tiny_engine(kv_budget_tokens=40)
+    first = await engine.submit(GenerationRequest("first", [1, 2, 3], 27, GREEDY))  # holds 30 of 40
+    await first.__anext__()
+    waiter = asyncio.ensure_future(collect(engine, GenerationRequest("waiter", [1, 2, 3], 27, GREEDY)))
+    assert await asyncio.to_thread(wait_until, lambda: engine.num_waiting == 1, 5.0)
+    waiter.cancel()
+    assert await asyncio.to_thread(wait_until, lambda: engine.num_waiting == 0, 5.0)
+    first.abort()
+    assert await asyncio.to_thread(wait_until, lambda: engine.runtime.kv.reserved_tokens == 0, 5.0)
+    tokens, _ = await collect(engine, GenerationRequest("next", [1, 2, 3], 27, GREEDY))
+    assert len(tokens) == 27
+
+
+@pytest.mark.anyio
+async def test_async_engine_output_equals_the_engine_run_directly(tiny_engine):
+    engine = tiny_engine(drafter=NgramDrafter())
+    req = GenerationRequest("x", [3, 4, 5, 3, 4, 5, 3, 4], 24, SamplingParams(temperature=0.8, seed=7))
+    tokens, last = await collect(engine, req)
+    direct = SpeculativeEngine(TargetRuntime(engine.runtime.model, kv_budget_tokens=100), NgramDrafter())
+    (state,) = direct.generate([req])
+    assert tokens == state.output_ids
+    assert (last.stats.rounds, last.stats.draft_tokens, last.stats.accepted_tokens) == (
+        state.rounds, state.draft_tokens, state.accepted_tokens)
+
+
+@pytest.mark.anyio
+async def test_shutdown_fails_unfinished_requests_and_refuses_new_ones(tiny_engine):
+    engine = tiny_engine()
+    stream = await engine.submit(GenerationRequest("long", [1, 2], 400, GREEDY))
+    await stream.__anext__()
+    await asyncio.to_thread(engine.shutdown)
+    with pytest.raises(EngineError):
+        async for _ in stream:
+            pass
+    with pytest.raises(EngineError):
+        await engine.submit(GenerationRequest("late", [1, 2], 4, GREEDY))
+    assert engine.runtime.kv.reserved_tokens == 0
+
+
+# ---- the REST API on the real default model ------------------------------------------------
+
+CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+REPEAT = [{"role": "user", "content": "Repeat this line three times: the red fox jumps over the lazy dog."}]
+
+
+def client_for(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=120)
+
+
+async def post(app, path: str, body) -> httpx.Response:
+    async with client_for(app) as client:
+        if isinstance(body, (bytes, str)):
+            return await client.post(path, content=body, headers={"content-type": "application/json"})
+        return await client.post(path, json=body)
+
+
+def stream_text(payloads: list, key: str) -> str:
+    out = []
+    for p in payloads:
+        if isinstance(p, dict) and p["choices"]:
+            c = p["choices"][0]
+            out.append(c["delta"].get("content", "") if key == "delta" else c["text"])
+    return "".join(out)
+
+
+def assert_usage_and_stats(body: dict) -> None:
+    u = body["usage"]
+    assert set(u) == {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and u["prompt_tokens"] > 0
+    s = body["speculative"]
+    assert set(s) == {"rounds", "mean_accepted_length", "draft_tokens", "accepted_tokens"}
+    assert 0 <= s["accepted_tokens"] <= s["draft_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_completion_has_openai_shape(served):
+    r = await post(served.app, "/v1/completions",
+                   {"model": served.model_name, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert isinstance(body["created"], int) and body["model"] == served.model_name
+    (choice,) = body["choices"]
+    assert set(choice) == {"index", "text", "logprobs", "finish_reason"}
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    assert choice["text"].strip()
+    assert_usage_and_stats(body)
+    assert body["usage"]["prompt_tokens"] == len(served.tokenizer.encode("The capital of France is"))
+    assert 1 <= body["usage"]["completion_tokens"] <= 16
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_streamed_chat_ends_with_done_and_equals_the_non_streamed_text(served):
+    req = {"model": served.model_name, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    plain = await post(served.app, "/v1/chat/completions", req)
+    assert plain.status_code == 200, plain.text
+    body = plain.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    (choice,) = body["choices"]
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert_usage_and_stats(body)
+
+    streamed = await post(served.app, "/v1/chat/completions", {**req, "stream": True})
+    assert streamed.status_code == 200 and streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    payloads = parse_sse(streamed.text)
+    assert payloads[-1] == "[DONE]"
+    chunks = payloads[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert stream_text(chunks, "delta") == choice["message"]["content"]
+    final = chunks[-1]
+    assert final["choices"][0]["finish_reason"] == choice["finish_reason"] and final["choices"][0]["delta"] == {}
+    assert final["speculative"]["rounds"] == body["speculative"]["rounds"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_include_usage_adds_a_usage_chunk_before_done(served):
+    req = {"model": served.model_name, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    plain = (await post(served.app, "/v1/completions", req)).json()
+    r = await post(served.app, "/v1/completions", {**req, "stream": True, "stream_options": {"include_usage": True}})
+    payloads = parse_sse(r.text)
+    assert payloads[-1] == "[DONE]"
+    usage_chunk = payloads[-2]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain["usage"]
+    assert_usage_and_stats(usage_chunk)
+    assert all(p["usage"] is None for p in payloads[:-2])
+    assert payloads[-3]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert stream_text(payloads[:-1], "text") == plain["choices"][0]["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_greedy_api_output_is_the_same_with_ngram_none_and_the_engine_directly(served):
+    req = {"model": served.model_name, "messages": REPEAT, "max_tokens": 32, "temperature": 0}
+    with_ngram = (await post(served.app, "/v1/chat/completions", req)).json()
+
+    # A second engine without a drafter; it shares the weights, not the KV cache or the thread.
+    plain_engine = AsyncEngine(SpeculativeEngine(TargetRuntime(served.runtime.model, kv_budget_tokens=1024), None)).start()
+    try:
+        app = create_app(plain_engine, served.tokenizer, model_name=served.model_name, max_tokens_limit=served.max_tokens_limit)
+        without = (await post(app, "/v1/chat/completions", req)).json()
+    finally:
+        plain_engine.shutdown()
+
+    prompt = served.tokenizer.encode_chat(REPEAT)
+    direct = SpeculativeEngine(TargetRuntime(served.runtime.model, kv_budget_tokens=1024), None)
+    (state,) = direct.generate([GenerationRequest("d", prompt, 32, GREEDY, stop_token_ids=served.tokenizer.eos_token_ids)])
+
+    text = with_ngram["choices"][0]["message"]["content"]
+    assert text == without["choices"][0]["message"]["content"] == served.tokenizer.decode(state.output_ids)
+    assert with_ngram["usage"] == without["usage"]
+    assert with_ngram["speculative"]["draft_tokens"] > 0, "the n-gram drafter never drafted: the test would be vacuous"
+    assert without["speculative"]["draft_tokens"] == 0
+    assert with_ngram["speculative"]["rounds"] < without["speculative"]["rounds"]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_stop_strings_cut_the_text_in_plain_and_streamed_responses(served):
+    req = {"model": served.model_name, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    reference = (await post(served.app, "/v1/chat/completions", req)).json()["choices"][0]["message"]["content"]
+    assert len(reference) >= 20, reference
+    stop = reference[len(reference) // 2 :][:4]  # a (likely multi-token) string in the middle of the output
+    expected = reference[: reference.index(stop)]
+
+    plain = (await post(served.app, "/v1/chat/completions", {**req, "stop": ["never-appears", stop]})).json()
+    assert plain["choices"][0]["message"]["content"] == expected
+    assert plain["choices"][0]["finish_reason"] == "stop"
+
+    streamed = parse_sse((await post(served.app, "/v1/chat/completions", {**req, "stop": stop, "stream": True})).text)
+    assert stream_text(streamed[:-1], "delta") == expected
+    assert streamed[-2]["choices"][0]["finish_reason"] == "stop"
+    assert await asyncio.to_thread(wait_until, lambda: served.runtime.kv.reserved_tokens == 0, 10.0)
+
+
+def _too_long(served) -> dict:
+    ctx = served.runtime.max_model_len
+    return {"model": served.model_name, "prompt": [28] * (ctx - 10), "max_tokens": 32}
+
+
+BAD_INPUTS = [
+    # (name, path, body or body factory, status, param)
+    ("malformed json", "/v1/completions", b'{"model": "x", "prompt": ', 400, None),
+    ("body not an object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("missing prompt", "/v1/completions", lambda s: {"model": s.model_name}, 400, "prompt"),
+    ("wrong type", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "hi"}, 404, "model"),
+    ("unknown model, streamed chat", "/v1/chat/completions",
+     {"model": "gpt-9", "messages": CHAT, "stream": True}, 404, "model"),
+    ("max_tokens over the limit", "/v1/completions",
+     lambda s: {"model": s.model_name, "prompt": "hi", "max_tokens": s.max_tokens_limit + 1}, 400, "max_tokens"),
+    ("zero max_tokens", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("prompt + max_tokens over the context", "/v1/completions", _too_long, 400, "max_tokens"),
+    ("prompt over the context, streamed", "/v1/completions",
+     lambda s: {**_too_long(s), "prompt": [28] * s.runtime.max_model_len, "max_tokens": None, "stream": True}, 400, "prompt"),
+    ("negative temperature", "/v1/chat/completions",
+     lambda s: {"model": s.model_name, "messages": CHAT, "temperature": -0.5}, 400, "temperature"),
+    ("top_p out of range", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("empty prompt", "/v1/completions", lambda s: {"model": s.model_name, "prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", lambda s: {"model": s.model_name, "prompt": []}, 400, "prompt"),
+    ("token id out of vocab", "/v1/completions", lambda s: {"model": s.model_name, "prompt": [1, 10**6]}, 400, None),
+    ("batch of prompts", "/v1/completions", lambda s: {"model": s.model_name, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("no messages", "/v1/chat/completions", lambda s: {"model": s.model_name, "messages": []}, 400, "messages"),
+    ("bad role", "/v1/chat/completions",
+     lambda s: {"model": s.model_name, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
+    ("n = 2", "/v1/chat/completions", lambda s: {"model": s.model_name, "messages": CHAT, "n": 2}, 400, "n"),
+    ("empty stop string", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("logprobs", "/v1/chat/completions", lambda s: {"model": s.model_name, "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+@pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+async def test_bad_input_gets_an_openai_error_body(served, name, path, body, status, param):
+    r = await post(served.app, path, body(served) if callable(body) else body)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()
+    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
+    assert err["error"]["type"] == "invalid_request_error" and err["error"]["message"]
+    assert err["error"]["param"] == param
+    if name.startswith("unknown model"):
+        assert err["error"]["code"] == "model_not_found"
+    assert served.runtime.kv.reserved_tokens == 0
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_models_health_and_unknown_routes(served):
+    async with client_for(served.app) as client:
+        models = (await client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [(m["id"], m["object"], m["owned_by"]) for m in models["data"]] == [(served.model_name, "model", "dspark")]
+        assert (await client.get(f"/v1/models/{served.model_name}")).json()["id"] == served.model_name
+        health = await client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        missing = await client.get("/v1/embeddings")
+        assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_eight_concurrent_requests_all_complete(served):
+    async def one(i: int) -> httpx.Response:
+        if i % 2:
+            body = {"messages": [{"role": "user", "content": f"Tell me fact number {i} about cats."}]}
+            path = "/v1/chat/completions"
+        else:
+            body = {"prompt": f"Fact {i} about the ocean:"}
+            path = "/v1/completions"
+        return await post(served.app, path, {**body, "model": served.model_name, "max_tokens": 16,
+                                             "temperature": 0.8, "seed": i, "stream": i % 3 == 0})
+
+    responses = await asyncio.gather(*(one(i) for i in range(8)))
+    assert [r.status_code for r in responses] == [200] * 8
+    for i, r in enumerate(responses):
+        if i % 3 == 0:
+            assert r.text.endswith("data: [DONE]\n\n")
+            assert parse_sse(r.text)[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+        else:
+            body = r.json()
+            assert body["choices"][0]["finish_reason"] in ("stop", "length")
+            assert body["usage"]["completion_tokens"] <= 16
+    assert await asyncio.to_thread(wait_until, lambda: served.runtime.kv.reserved_tokens == 0, 10.0)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_a_disconnected_stream_is_aborted_and_frees_its_kv(served, live_url):
+    body = {"model": served.model_name, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": served.max_tokens_limit,
+            "temperature": 0, "stream": True}
+    got_text, aborted, abort = False, [], served.engine.engine.abort
+
+    def recording_abort(request_id):  # runs on the engine thread
+        aborted.append(request_id)
+        abort(request_id)
+
+    served.engine.engine.abort = recording_abort
+    async with httpx.AsyncClient(base_url=live_url, timeout=60) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert chunk["choices"][0]["finish_reason"] is None  # still generating when we leave
+                    got_text = got_text or bool(chunk["choices"][0]["text"])
+                    if got_text:
+                        break
+    assert got_text
+    try:
+        freed = await asyncio.to_thread(wait_until, lambda: served.runtime.kv.reserved_tokens == 0, 15.0)
+    finally:
+        served.engine.engine.abort = abort
+    assert freed and served.engine.num_running == 0
+    assert [r for r in aborted if r.startswith("cmpl-")], "the request finished by itself: nothing was cancelled"
+
+
+@pytest.mark.slow
+def test_the_official_openai_client_works_against_a_live_server(served, live_url):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{live_url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == [served.model_name]
+    chat = client.chat.completions.create(model=served.model_name, messages=CHAT, max_tokens=8, temperature=0)
+    text = chat.choices[0].message.content
+    assert text and chat.usage.completion_tokens <= 8 and chat.model_extra["speculative"]["rounds"] >= 0
+    chunks = list(client.chat.completions.create(model=served.model_name, messages=CHAT, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    completion = client.completions.create(model=served.model_name, prompt="Hello", max_tokens=4, temperature=0)
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="Hello", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=served.model_name, messages=CHAT, n=2)

@@ -1,0 +1,86 @@
+"""logits_to_probs is the definition of the target distribution: temperature, top-k, top-p."""
+
+import math
+
+import pytest
+import torch
+
+from dspark.sampling import SamplingParams, logits_to_probs
+
+
+def test_temperature_divides_the_logits_before_the_softmax():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    for temperature in (0.5, 1.0, 2.0):
+        probs = logits_to_probs(logits, temperature=temperature)
+        torch.testing.assert_close(probs, torch.softmax(logits / temperature, -1))
+    # Lower temperature sharpens: the top token gains mass.
+    assert logits_to_probs(logits, temperature=0.5)[0, 0] > logits_to_probs(logits, temperature=2.0)[0, 0]
+
+
+def test_output_is_fp32_rows_summing_to_one_whatever_the_input_dtype():
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    probs = logits_to_probs(logits, temperature=0.8, top_k=4, top_p=0.9)
+    assert probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3))
+
+
+def test_top_k_keeps_exactly_the_k_largest_logits():
+    logits = torch.randn(5, 20, generator=torch.Generator().manual_seed(1))
+    probs = logits_to_probs(logits, temperature=1.0, top_k=4)
+    assert ((probs > 0).sum(-1) == 4).all()
+    kept = probs > 0
+    assert torch.equal(kept, torch.zeros_like(kept).scatter(-1, logits.topk(4).indices, True))
+    # Renormalised softmax over the kept ones.
+    expected = torch.softmax(logits.masked_fill(~kept, float("-inf")), -1)
+    torch.testing.assert_close(probs, expected)
+
+
+def test_top_k_zero_or_at_least_vocab_is_off():
+    logits = torch.randn(2, 7, generator=torch.Generator().manual_seed(2))
+    for top_k in (0, 7, 100):
+        torch.testing.assert_close(logits_to_probs(logits, temperature=1.0, top_k=top_k), torch.softmax(logits, -1))
+
+
+def test_top_p_keeps_the_smallest_nucleus_including_the_crossing_token():
+    p = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: 0.5 (id 1), 0.3 (id 3), 0.15 (id 2), 0.05 (id 0)
+    logits = p.log()[None]
+    cases = {
+        0.45: {1},  # the top token alone crosses 0.45
+        0.79: {1, 3},  # 0.5 + 0.3 = 0.8 crosses 0.79: id 3 is kept
+        0.81: {1, 3, 2},  # 0.8 < 0.81, the crossing token is id 2
+        1.0: {0, 1, 2, 3},
+    }
+    for top_p, expected in cases.items():
+        probs = logits_to_probs(logits, temperature=1.0, top_p=top_p)[0]
+        assert set((probs > 0).nonzero().flatten().tolist()) == expected, top_p
+        kept = torch.tensor(sorted(expected))
+        torch.testing.assert_close(probs[kept], p[kept] / p[kept].sum())
+
+
+def test_top_k_applies_before_top_p():
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    # top_k=2 leaves (0.4, 0.3) -> renormalised (4/7, 3/7); top_p=0.5 then keeps only id 0.
+    probs = logits_to_probs(p.log()[None], temperature=1.0, top_k=2, top_p=0.5)[0]
+    assert (probs > 0).nonzero().flatten().tolist() == [0]
+
+
+def test_greedy_is_temperature_zero_and_logits_to_probs_refuses_it():
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=1e-3).is_greedy
+    with pytest.raises(ValueError, match="temperature > 0"):
+        logits_to_probs(torch.zeros(1, 3), temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_invalid_sampling_params_raise(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -1,0 +1,445 @@
+"""The rejection sampler: edge cases, losslessness (chi-square), reproducibility, validation.
+
+The statistical tests simulate whole rounds with many independent requests in one batch and
+check that the emitted tokens follow the TARGET distribution although drafts come from a
+deliberately different p_d; deliberately wrong samplers must fail the very same tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dspark.sampling import (
+    DraftProbs,
+    RejectionBatch,
+    RejectionResult,
+    SamplingParams,
+    draw_rejection_randoms,
+    logits_to_probs,
+    rejection_sample,
+)
+
+NEG_INF = float("-inf")
+
+
+def _logits(*rows: list[float]) -> torch.Tensor:  # [len(rows), vocab]: log of the given probabilities
+    return torch.tensor(rows, dtype=torch.float32).log()
+
+
+def _one_hot_logits(token: int, vocab: int) -> torch.Tensor:  # [1, vocab]
+    row = torch.full((1, vocab), NEG_INF)
+    row[0, token] = 0.0
+    return row
+
+
+SAMPLED = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Edge cases, with hand-set random numbers
+# ---------------------------------------------------------------------------------------------
+
+
+def test_all_drafts_accepted_emits_the_bonus_from_the_position_after_the_last_draft(batch_of):
+    vocab = 5
+    # p_d == p_t at the draft tokens: ratio 1, always accepted. Rows 0 and 1 would never emit 4.
+    target = torch.cat([_logits([0.5, 0.5, 0, 0, 0]), _logits([0, 0.5, 0.5, 0, 0]), _one_hot_logits(4, vocab)])
+    draft = torch.tensor([[0.5, 0.5, 0, 0, 0], [0, 0.5, 0.5, 0, 0]])
+    batch = batch_of([(SAMPLED, [0, 2], target, draft)], uniforms=torch.tensor([0.999, 0.999]))
+    result = rejection_sample(batch)
+    assert result.output_token_ids.tolist() == [[0, 2, 4]]
+    assert result.num_accepted.tolist() == [2]
+
+
+def test_first_draft_rejected_emits_a_residual_draw_and_discards_the_rest(batch_of):
+    # p_t = (.5, .5), p_d = (1, 0): draft 0 accepted iff u < .5; the residual is all on token 1.
+    target = torch.cat([_logits([0.5, 0.5, 0]), _logits([0, 0, 1.0]), _logits([0, 0, 1.0])])
+    draft = torch.tensor([[1.0, 0, 0], [0, 0, 1.0]])
+    for u in (0.5, 0.75, 0.99):
+        batch = batch_of([(SAMPLED, [0, 2], target, draft)], uniforms=torch.tensor([u, 0.0]))
+        result = rejection_sample(batch)
+        assert result.output_token_ids.tolist() == [[1, -1, -1]]
+        assert result.num_accepted.tolist() == [0]
+    accepted = rejection_sample(batch_of([(SAMPLED, [0, 2], target, draft)], uniforms=torch.tensor([0.49, 0.0])))
+    assert accepted.output_token_ids.tolist() == [[0, 2, 2]]
+
+
+def test_residual_puts_its_mass_where_the_draft_has_none(batch_of):
+    # p_d(2) = 0 < p_t(2): every rejection must emit 2, whatever the exponential noise.
+    target = _logits([0.25, 0.25, 0.5], [1 / 3, 1 / 3, 1 / 3])
+    draft = torch.tensor([[0.5, 0.5, 0.0]])
+    emitted, rejections = [], 0
+    for seed in range(50):
+        result = rejection_sample(batch_of([(SAMPLED, [seed % 2], target, draft)], seed=seed))
+        if result.num_accepted.item() == 0:
+            rejections += 1
+            emitted.append(result.output_token_ids[0, 0].item())
+    assert rejections > 10  # acceptance is 0.5: the test must not pass vacuously
+    assert set(emitted) == {2}
+
+
+def test_an_all_zero_residual_falls_back_to_a_draw_from_the_target(batch_of):
+    # p_d = 1.0008 p_t (within the row-sum tolerance): the residual rounds to all zero and
+    # u = 0.9999 rejects the draft. The token then comes from p_t's race, never from p_t = 0.
+    target = _logits([0.5, 0.5, 0.0, 0.0], [0.25] * 4)
+    draft = torch.tensor([[0.5004, 0.5004, 0.0, 0.0]])
+    for seed in range(20):
+        batch = batch_of([(SAMPLED, [1], target, draft)], uniforms=torch.tensor([0.9999]), seed=seed)
+        result = rejection_sample(batch)
+        p_t = logits_to_probs(target[:1], temperature=1.0)[0]
+        assert result.num_accepted.item() == 0
+        assert result.output_token_ids[0, 0].item() == int(torch.argmax(p_t / batch.exp_noise[0]))
+
+
+@pytest.mark.parametrize("filter_kwargs", [{"top_p": 0.7}, {"top_k": 2}])
+def test_target_top_p_and_top_k_hold_a_token_outside_them_is_rejected_and_never_emitted(batch_of, filter_kwargs):
+    vocab = 4
+    params = SamplingParams(temperature=1.0, **filter_kwargs)
+    # Nucleus {0, 1} for top_p=0.7 (0.45 + 0.35 crosses 0.7) and for top_k=2. Token 3 lies outside.
+    target = _logits([0.45, 0.35, 0.15, 0.05], [0.45, 0.35, 0.15, 0.05])
+    draft = torch.tensor([[0.1, 0.1, 0.1, 0.7]])  # the drafter loves token 3
+    outputs = []
+    for seed in range(60):
+        result = rejection_sample(batch_of([(params, [3], target, draft)], seed=seed))
+        assert result.num_accepted.item() == 0  # p_t(3) = 0 after the filter: always rejected
+        outputs.append(result.output_token_ids[0, 0].item())
+    assert set(outputs) == {0, 1}
+
+
+def test_greedy_accepts_the_argmax_and_breaks_ties_to_the_lowest_id(batch_of):
+    tied = torch.tensor([[1.0, 5.0, 5.0, 0.0]])  # argmax 1 (ids 1 and 2 tie)
+    target = torch.cat([tied, tied, tied])
+    accepted_then_bonus = rejection_sample(batch_of([(GREEDY, [1, 1], target, None)]))
+    assert accepted_then_bonus.output_token_ids.tolist() == [[1, 1, 1]]
+    assert accepted_then_bonus.num_accepted.tolist() == [2]
+    corrected = rejection_sample(batch_of([(GREEDY, [1, 2], target, None)]))  # 2 ties but is not the argmax
+    assert corrected.output_token_ids.tolist() == [[1, 1, -1]]
+    assert corrected.num_accepted.tolist() == [1]
+
+
+def test_requests_without_drafts_draw_only_a_bonus_among_others(batch_of):
+    vocab = 6
+    requests = [
+        (SAMPLED, [], _one_hot_logits(3, vocab), None),
+        (SAMPLED, [1, 1], torch.cat([_one_hot_logits(t, vocab) for t in (1, 1, 5)]), torch.eye(vocab)[[1, 1]]),
+        (GREEDY, [], _one_hot_logits(2, vocab), None),
+        (SAMPLED, [4], torch.cat([_one_hot_logits(0, vocab), _one_hot_logits(1, vocab)]), torch.eye(vocab)[[4]]),
+        (SAMPLED, [], _one_hot_logits(0, vocab), None),
+    ]
+    result = rejection_sample(batch_of(requests))
+    assert result.output_token_ids.tolist() == [[3, -1, -1], [1, 1, 5], [2, -1, -1], [0, -1, -1], [0, -1, -1]]
+    assert result.num_accepted.tolist() == [0, 2, 0, 0, 0]
+
+
+def test_greedy_and_sampled_requests_mix_in_one_batch_without_crosstalk(batch_of):
+    vocab = 5
+    greedy_target = torch.tensor([[0.0, 3.0, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 0.0, 0.0]])
+    sampled_target = torch.cat([_logits([0.2, 0.2, 0.2, 0.2, 0.2]), _one_hot_logits(4, vocab)])
+    garbage_rows = torch.zeros(1, vocab)  # greedy rows are never read nor validated
+    requests = [
+        (GREEDY, [1], greedy_target, garbage_rows),
+        (SAMPLED, [2], sampled_target, torch.tensor([[0.2] * 5])),
+        (GREEDY, [0], greedy_target, garbage_rows),
+    ]
+    result = rejection_sample(batch_of(requests, uniforms=torch.tensor([0.5, 0.5, 0.5])))
+    assert result.output_token_ids.tolist() == [[1, 0], [2, 4], [1, -1]]
+    assert result.num_accepted.tolist() == [1, 1, 0]
+
+
+def test_an_all_greedy_batch_needs_no_draft_probs(batch_of):
+    target = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    batch = batch_of([(GREEDY, [1], target, None)])
+    assert batch.draft_probs is None
+    assert rejection_sample(batch).output_token_ids.tolist() == [[1, 2]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sparse_rows_give_the_same_result_as_the_same_distribution_dense(mixed_batch, seed):
+    sparse = mixed_batch(seed, sparse=True)
+    ids, probs = sparse.draft_probs.sparse_ids, sparse.draft_probs.sparse_probs
+    dense = torch.zeros(ids.shape[0], sparse.vocab_size)
+    dense.scatter_add_(1, ids.clamp_min(0), torch.where(ids >= 0, probs, 0.0))
+    as_dense = replace(sparse, draft_probs=DraftProbs(dense=dense))
+    a, b = rejection_sample(sparse), rejection_sample(as_dense)
+    assert torch.equal(a.output_token_ids, b.output_token_ids)
+    assert torch.equal(a.num_accepted, b.num_accepted)
+
+
+def test_result_layout_is_accepted_drafts_then_one_token_then_padding(mixed_batch):
+    for seed in range(6):
+        batch = mixed_batch(seed, sparse=seed % 2 == 1)
+        result = rejection_sample(batch)
+        lens = batch.num_draft_tokens
+        assert result.output_token_ids.shape == (batch.num_requests, int(lens.max()) + 1)
+        assert ((result.num_accepted >= 0) & (result.num_accepted <= lens)).all()
+        starts = torch.cumsum(lens, 0) - lens
+        for r in range(batch.num_requests):
+            n_acc, row = int(result.num_accepted[r]), result.output_token_ids[r]
+            assert row[:n_acc].tolist() == batch.draft_token_ids[starts[r] : starts[r] + n_acc].tolist()
+            assert 0 <= row[n_acc] < batch.vocab_size
+            assert (row[n_acc + 1 :] == -1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Losslessness: the emitted tokens follow p_t whatever p_d is
+# ---------------------------------------------------------------------------------------------
+
+V = 6
+N_ROUNDS = 30_000
+P_MIN = 1e-3  # a correct sampler passes with this fixed seed
+P_WRONG = 1e-6  # a wrong sampler must fail far below it
+
+
+def _random_rows(gen: torch.Generator, *shape: int) -> torch.Tensor:  # [*shape, V], no cell below 0.2/V
+    dirichlet = torch.empty(*shape, V).exponential_(generator=gen)
+    return 0.8 * dirichlet / dirichlet.sum(-1, keepdim=True) + 0.2 / V
+
+
+class ChainProblem:
+    """Two-token generation: target p_t1(y1) p_t2(y2 | y1), bonus p_t3; a different drafter q.
+
+    The drafter's q1 gives token 0 no mass at all, so the residual must supply it. With
+    sparse=True the drafter samples from its top-3 truncation (plus a padding entry).
+    """
+
+    def __init__(self, seed: int = 0, *, sparse: bool = False):
+        g = torch.Generator().manual_seed(seed)
+        self.p1, self.p2, self.p3 = _random_rows(g), _random_rows(g, V), _random_rows(g)  # [V], [V, V], [V]
+        q1, q2 = _random_rows(g), _random_rows(g, V)
+        q1[0] = 0.0
+        q1 /= q1.sum()
+        self.q1, self.q2 = q1, q2
+        if sparse:  # the drafter's top-3, renormalised
+            self.q1, self.q2 = self._truncate(q1), self._truncate(q2)
+        self.sparse = sparse
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    @staticmethod
+    def _truncate(rows: torch.Tensor) -> torch.Tensor:
+        top = rows.topk(3, dim=-1)
+        return torch.zeros_like(rows).scatter(-1, top.indices, top.values / top.values.sum(-1, keepdim=True))
+
+    def _draft_probs(self, rows: torch.Tensor) -> DraftProbs:  # rows [num_draft_tokens, V]
+        if not self.sparse:
+            return DraftProbs(dense=rows)
+        vals, ids = rows.topk(3, dim=-1)
+        n = rows.shape[0]
+        return DraftProbs(
+            sparse_ids=torch.cat([ids, torch.full((n, 1), -1)], 1),
+            sparse_probs=torch.cat([vals, torch.zeros(n, 1)], 1),
+        )
+
+    def _batch(
+        self,
+        lens: torch.Tensor,  # [n]
+        target_rows: torch.Tensor,  # [sum(lens) + n, V] probabilities
+        draft_ids: torch.Tensor,  # [sum(lens)]
+        draft_rows: torch.Tensor,  # [sum(lens), V]
+    ) -> RejectionBatch:
+        n = lens.shape[0]
+        return RejectionBatch(
+            draft_token_ids=draft_ids,
+            num_draft_tokens=lens,
+            target_logits=target_rows.log(),
+            draft_probs=self._draft_probs(draft_rows),
+            params=[SamplingParams(temperature=1.0)] * n,
+            uniforms=torch.rand(draft_ids.shape[0], generator=self.gen),
+            exp_noise=torch.empty(n, V).exponential_(generator=self.gen),
+        )
+
+    def generate_two_tokens(self, sampler, n: int = N_ROUNDS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rounds of speculative decoding until every sequence has 2 tokens.
+
+        Returns y1 [n], y2 [n] and the bonus tokens drawn after 2 accepted drafts [num_bonus].
+        """
+        # Round 1: two drafts per sequence, x1 ~ q1, x2 ~ q2[x1].
+        x1 = torch.multinomial(self.q1, n, replacement=True, generator=self.gen)
+        x2 = torch.multinomial(self.q2[x1], 1, generator=self.gen).squeeze(1)
+        target = torch.stack([self.p1.expand(n, V), self.p2[x1], self.p3.expand(n, V)], 1).reshape(3 * n, V)
+        draft = torch.stack([self.q1.expand(n, V), self.q2[x1]], 1).reshape(2 * n, V)
+        lens = torch.full((n,), 2, dtype=torch.int64)
+        res = sampler(self._batch(lens, target, torch.stack([x1, x2], 1).flatten(), draft))
+        y1, y2 = res.output_token_ids[:, 0], res.output_token_ids[:, 1].clone()
+        bonus = [res.output_token_ids[res.num_accepted == 2, 2]]
+
+        # Round 2 for sequences that got one token: alternately one draft x ~ q2[y1], or none.
+        again = (res.num_accepted == 0).nonzero().squeeze(1)
+        m = again.shape[0]
+        ctx = y1[again]
+        lens2 = torch.arange(m) % 2  # [m] 0 or 1
+        with_draft = lens2 == 1
+        if m:
+            xd = torch.multinomial(self.q2[ctx[with_draft]], 1, generator=self.gen).squeeze(1)
+            # Rows per sequence: p_t2[y1], then p_t3 if it has a draft.
+            both = torch.stack([self.p2[ctx], self.p3.expand(m, V)], 1).reshape(2 * m, V)
+            rows = both[torch.stack([torch.ones(m, dtype=torch.bool), with_draft], 1).flatten()]
+            res2 = sampler(self._batch(lens2, rows, xd, self.q2[ctx[with_draft]]))
+            y2[again] = res2.output_token_ids[:, 0]
+            bonus.append(res2.output_token_ids[with_draft & (res2.num_accepted == 1), 1])
+        return y1, y2, torch.cat(bonus)
+
+    def joint(self) -> torch.Tensor:  # [V * V] p(y1, y2), float64
+        return (self.p1[:, None] * self.p2).flatten().double()
+
+
+def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() / probs.double().sum() * counts.sum()
+    assert expected.min() >= 5, "too few samples per cell for a chi-square test"
+    return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def _lossless_pvalues(problem: ChainProblem, sampler) -> dict[str, float]:
+    y1, y2, bonus = problem.generate_two_tokens(sampler)
+    assert bonus.numel() > 2000  # the bonus path was really exercised
+    return {
+        "first token ~ p_t1": _chi2_pvalue(y1, problem.p1),
+        "(y1, y2) ~ p_t1 p_t2": _chi2_pvalue(y1 * V + y2, problem.joint()),
+        "bonus ~ p_t3": _chi2_pvalue(bonus, problem.p3),
+    }
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_emitted_tokens_follow_the_target_distribution_not_the_drafts(sparse):
+    problem = ChainProblem(seed=0, sparse=sparse)
+    tv = 0.5 * (problem.q1 - problem.p1).abs().sum()
+    assert tv > 0.15  # the drafter really is different
+    pvalues = _lossless_pvalues(problem, rejection_sample)
+    assert all(p > P_MIN for p in pvalues.values()), pvalues
+
+
+# Deliberately wrong samplers: the test above must have the power to catch each of them.
+
+
+def _accepts_every_draft(batch: RejectionBatch) -> RejectionResult:
+    return rejection_sample(replace(batch, uniforms=torch.zeros_like(batch.uniforms)))
+
+
+def _verifies_against_a_uniform_draft(batch: RejectionBatch) -> RejectionResult:
+    """The classic bug: the verifier's p_d is not the row the drafter sampled from."""
+    n = batch.draft_token_ids.shape[0]
+    return rejection_sample(replace(batch, draft_probs=DraftProbs(dense=torch.full((n, V), 1.0 / V))))
+
+
+def _resamples_from_the_target_instead_of_the_residual(batch: RejectionBatch) -> RejectionResult:
+    result = rejection_sample(batch)
+    lens, n_acc = batch.num_draft_tokens, result.num_accepted
+    rows = torch.cumsum(lens, 0) - lens + torch.arange(lens.shape[0]) + n_acc  # target row of the last token
+    probs = logits_to_probs(batch.target_logits[rows], temperature=1.0)
+    redraw = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(7)).squeeze(1)
+    out = result.output_token_ids.clone()
+    last = out[torch.arange(lens.shape[0]), n_acc]
+    out[torch.arange(lens.shape[0]), n_acc] = torch.where(n_acc < lens, redraw, last)
+    return RejectionResult(output_token_ids=out, num_accepted=n_acc)
+
+
+@pytest.mark.parametrize(
+    "wrong_sampler",
+    [_accepts_every_draft, _verifies_against_a_uniform_draft, _resamples_from_the_target_instead_of_the_residual],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_the_losslessness_test_catches_a_wrong_sampler(wrong_sampler):
+    pvalues = _lossless_pvalues(ChainProblem(seed=0), wrong_sampler)
+    assert min(pvalues.values()) < P_WRONG, pvalues
+
+
+# ---------------------------------------------------------------------------------------------
+# Random numbers and reproducibility
+# ---------------------------------------------------------------------------------------------
+
+
+def test_same_generators_give_the_same_result(mixed_batch):
+    for seed in range(3):
+        a, b = rejection_sample(mixed_batch(seed)), rejection_sample(mixed_batch(seed))
+        assert torch.equal(a.output_token_ids, b.output_token_ids)
+        assert torch.equal(a.num_accepted, b.num_accepted)
+
+
+def test_a_seeded_request_draws_the_same_randoms_whatever_else_is_in_the_batch():
+    vocab = 9
+    alone_u, alone_e = draw_rejection_randoms(torch.tensor([3]), vocab, [torch.Generator().manual_seed(42)])
+    lens = torch.tensor([2, 3, 0])
+    generators = [None, torch.Generator().manual_seed(42), torch.Generator().manual_seed(1)]
+    u, e = draw_rejection_randoms(lens, vocab, generators)
+    assert u.shape == (5,) and e.shape == (3, vocab)
+    assert torch.equal(u[2:5], alone_u) and torch.equal(e[1], alone_e[0])
+    assert ((u >= 0) & (u < 1)).all() and (e >= 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation at the boundary
+# ---------------------------------------------------------------------------------------------
+
+
+def _small_batch(batch_of) -> RejectionBatch:
+    target = _logits([0.2, 0.3, 0.5], [0.2, 0.3, 0.5], [0.2, 0.3, 0.5])
+    return batch_of([(SAMPLED, [1, 2], target, torch.tensor([[0.3, 0.3, 0.4], [0.1, 0.1, 0.8]]))])
+
+
+def test_the_small_valid_batch_is_accepted(batch_of):
+    rejection_sample(_small_batch(batch_of))
+
+
+def _dense(*rows: list[float]) -> DraftProbs:
+    return DraftProbs(dense=torch.tensor(rows))
+
+
+def _sparse(ids: list[list[int]]) -> DraftProbs:  # two entries of 0.5 per row
+    return DraftProbs(sparse_ids=torch.tensor(ids), sparse_probs=torch.full((len(ids), 2), 0.5))
+
+
+MALFORMED = {  # what is wrong: (how to break the small batch, what the message must say)
+    "row sums to 1.1": (lambda b: replace(b, draft_probs=DraftProbs(dense=b.draft_probs.dense * 1.1)), "sum to 1"),
+    "negative prob": (lambda b: replace(b, draft_probs=_dense([1.2, -0.2, 0.0], [0.1, 0.1, 0.8])), "non-negative"),
+    "p_d(x) = 0": (lambda b: replace(b, draft_probs=_dense([0.5, 0.0, 0.5], [0.1, 0.1, 0.8])), "p_d\\(x\\) = 0"),
+    "token id = vocab": (lambda b: replace(b, draft_token_ids=torch.tensor([1, 3])), "must be in \\[0, 3\\)"),
+    "token id < 0": (lambda b: replace(b, draft_token_ids=torch.tensor([1, -1])), "draft_token_ids must be in"),
+    "too few draft ids": (
+        lambda b: replace(b, draft_token_ids=torch.tensor([1])),
+        "draft_token_ids must be integer \\[num_draft_tokens\\] = \\[2\\]",
+    ),
+    "too few target rows": (lambda b: replace(b, target_logits=b.target_logits[:2]), "3 rows, got \\[2, 3\\]"),
+    "lengths disagree": (lambda b: replace(b, num_draft_tokens=torch.tensor([3])), "draft_token_ids must be"),
+    "negative length": (lambda b: replace(b, num_draft_tokens=torch.tensor([-1])), ">= 0"),
+    "params per request": (lambda b: replace(b, params=[SAMPLED, SAMPLED]), "one SamplingParams per request"),
+    "uniforms shape": (lambda b: replace(b, uniforms=torch.rand(3)), "uniforms must be float \\[num_draft_tokens\\]"),
+    "uniform = 1": (lambda b: replace(b, uniforms=torch.tensor([0.5, 1.0])), "uniforms must lie in \\[0, 1\\)"),
+    "exp_noise shape": (lambda b: replace(b, exp_noise=torch.ones(1, 4)), "exp_noise must be float \\[num_req"),
+    "negative noise": (lambda b: replace(b, exp_noise=-torch.ones(1, 3)), "exp_noise must be >= 0"),
+    "no draft probs": (lambda b: replace(b, draft_probs=None), "draft_probs is None"),
+    "dense shape": (lambda b: replace(b, draft_probs=DraftProbs(dense=b.draft_probs.dense[:1])), "dense draft probs"),
+    "no finite logit": (lambda b: replace(b, target_logits=torch.full((3, 3), NEG_INF)), "NaN"),
+    "sparse id = vocab": (lambda b: replace(b, draft_probs=_sparse([[1, 5], [2, 0]])), "sparse_ids must be in"),
+    "padding with mass": (lambda b: replace(b, draft_probs=_sparse([[1, -1], [2, 0]])), "padding"),
+    "sparse p_d(x) = 0": (lambda b: replace(b, draft_probs=_sparse([[0, 2], [2, 0]])), "p_d\\(x\\) = 0"),
+}
+
+
+@pytest.mark.parametrize("mutate, message", MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_batches_raise_value_errors_that_say_what_is_wrong(batch_of, mutate, message):
+    with pytest.raises(ValueError, match=message):
+        rejection_sample(mutate(_small_batch(batch_of)))
+
+
+def test_draft_probs_need_exactly_one_representation():
+    with pytest.raises(ValueError, match="exactly one"):
+        DraftProbs()
+    with pytest.raises(ValueError, match="exactly one"):
+        DraftProbs(dense=torch.ones(1, 2) / 2, sparse_ids=torch.zeros(1, 1, dtype=int), sparse_probs=torch.ones(1, 1))
+    with pytest.raises(ValueError, match="both"):
+        DraftProbs(sparse_ids=torch.zeros(1, 1, dtype=torch.int64))
+
+
+def test_unknown_backend_raises(batch_of):
+    with pytest.raises(ValueError, match="backend"):
+        rejection_sample(_small_batch(batch_of), backend="cuda")
+
+
+def test_negative_temperature_is_refused_when_the_params_are_built():
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1.0)
