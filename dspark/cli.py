@@ -99,7 +99,7 @@ def cmd_serve(args) -> int:
     from gateway.server import serve
 
     serve(host=args.host, port=args.port, target=_target_config(args), drafter=args.drafter, gamma=args.gamma,
-          max_tokens_limit=args.max_tokens_limit)
+          max_tokens_limit=args.max_tokens_limit, sps_max_batch=args.sps_max_batch)
     return 0
 
 
@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--drafter", choices=DRAFTERS, default="ngram")
     s.add_argument("--gamma", type=int, default=7)
     s.add_argument("--max-tokens-limit", type=int, default=2048)
+    s.add_argument("--sps-max-batch", type=int, default=64, help="profile SPS(B) at start-up up to this B (0: skip)")
     _add_target_args(s)
     s.set_defaults(func=cmd_serve)
     return parser

@@ -188,6 +188,19 @@ class SpeculativeStats(BaseModel):
     accepted_tokens: int
 
 
+class _WithSpeculativeStats(BaseModel):
+    """A response object whose `speculative` extension is omitted (not null) when absent."""
+
+    speculative: SpeculativeStats | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_missing_extension(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("speculative") is None:
+            out.pop("speculative", None)
+        return out
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
@@ -195,7 +208,7 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_WithSpeculativeStats):
     """Both the non-streamed response and each streamed chunk of /v1/completions."""
 
     id: str
@@ -205,14 +218,6 @@ class CompletionResponse(BaseModel):
     system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    speculative: SpeculativeStats | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_missing_extension(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("speculative") is None:
-            out.pop("speculative", None)
-        return out
 
 
 class ChatMessageOut(BaseModel):
@@ -255,7 +260,7 @@ class ChatChunkChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_WithSpeculativeStats):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=now)
@@ -263,14 +268,6 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    speculative: SpeculativeStats | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_missing_extension(self, handler) -> dict[str, Any]:
-        out = handler(self)
-        if out.get("speculative") is None:
-            out.pop("speculative", None)
-        return out
 
 
 class ModelCard(BaseModel):

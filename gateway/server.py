@@ -23,12 +23,14 @@ from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.model_store import DEFAULT_MODEL
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
+from dspark.profiling.sps import profile_sps
 from dspark.sampling.params import SamplingParams
 from gateway.app import create_app
 
 __all__ = ["build_engine", "serve", "served_model_name", "warm_up"]
 
 log = logging.getLogger(__name__)
+
 
 def served_model_name(model: str) -> str:
     """The id clients put in `model`: the default model's name, or the checkpoint directory's name."""
@@ -44,12 +46,23 @@ def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
     return time.perf_counter() - t0
 
 
-def build_engine(target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7) -> tuple[AsyncEngine, Tokenizer]:
-    """Load, warm up and start: an AsyncEngine ready for requests, and the target's tokenizer."""
+def build_engine(
+    target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7, sps_max_batch: int = 64
+) -> tuple[AsyncEngine, Tokenizer]:
+    """Load, warm up, profile SPS(B) and start: an AsyncEngine ready for requests, and the
+    target's tokenizer. `sps_max_batch=0` skips the profile (a few seconds on this CPU)."""
     runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
     engine = SpeculativeEngine(runtime, make_drafter(drafter), num_speculative_tokens=gamma)
     log.info("warm-up took %.2f s", warm_up(engine, tokenizer))
+    if sps_max_batch > 0:
+        t0 = time.perf_counter()
+        engine.sps_profile = profile_sps(runtime, max_batch=sps_max_batch, tokens_per_request=gamma + 1)
+        log.info(
+            "SPS(B) profiled in %.1f s: %s", time.perf_counter() - t0,
+            ", ".join(f"B={b}: {1 / t:.1f}" for b, t in zip(engine.sps_profile.batch_sizes, engine.sps_profile.step_seconds)
+                      if b in (1, 4, 8, 16, 32, 64)),
+        )
     return AsyncEngine(engine).start(), tokenizer
 
 
@@ -64,11 +77,12 @@ def serve(
     max_tokens_limit: int = 2048,
     model_name: str | None = None,  # the id clients send; default: see served_model_name
     log_level: str = "info",
+    sps_max_batch: int = 64,  # SPS(B) profile at start-up up to this batch; 0 skips it
 ) -> None:
     make_drafter(drafter)  # fail on a bad name before loading anything
     target = target or TargetConfig(model=model)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma)
+    engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch)
     name = model_name or served_model_name(target.model)
     app = create_app(engine, tokenizer, model_name=name, max_tokens_limit=max_tokens_limit)
     log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d)", name, host, port, drafter, gamma)

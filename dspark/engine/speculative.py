@@ -23,6 +23,7 @@ import torch
 
 from dspark.drafters.base import DraftProposal, DraftRequest, Drafter, NoDrafter
 from dspark.model.target_runtime import TargetRuntime
+from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs, RejectionBatch, draw_rejection_randoms, rejection_sample
 from dspark.sampling.params import SamplingParams
 
@@ -90,6 +91,7 @@ class SpeculativeEngine:
             sampler_backend = "triton" if torch.cuda.is_available() else "torch"
         self.sampler_backend = sampler_backend
         self.running: dict[str, RequestState] = {}
+        self.sps_profile: SPSProfile | None = None  # measured at server start-up; the prefix scheduler's input
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
 
     # ---- requests ------------------------------------------------------------------------
