@@ -121,13 +121,14 @@ class SplitKLinear(nn.Module):
             self.bias.copy_(bias)
 
     def prepack(self) -> None:
-        """Pre-reorder bf16 weights into oneDNN's blocked layout once (what inductor does when
-        freezing): 25-40% faster GEMMs here at B = 1..8, bit-identical results."""
+        """Pre-reorder the weights into oneDNN's blocked layout once (what inductor does when
+        freezing): bf16 GEMMs 25-40% faster here at B = 1..8 with bit-identical results, fp32
+        ones much faster than MKL from B = 2 up."""
         self.packed = None
-        if self.dtype != torch.bfloat16 or self.weight_chunks[0].device.type != "cpu":
+        if self.weight_chunks[0].device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
         try:
-            self.packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1) for w in self.weight_chunks]
+            self.packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8) for w in self.weight_chunks]
         except (AttributeError, RuntimeError):  # a torch build without oneDNN: plain F.linear
             self.packed = None
 
@@ -256,10 +257,14 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     def prepare_for_inference(self) -> None:
-        """Keep a [hidden, vocab] copy of the LM head: for one or a few rows, MKL's fp32 GEMV
-        streams this layout about 1.8x faster than the [vocab, hidden] one (10.6 -> 5.9 ms here)."""
-        self.register_buffer("lm_head_t", self.lm_head_weight.detach().t().contiguous(), persistent=False)
-        for module in self.modules():
+        """Pre-reorder every GEMM weight into oneDNN's blocked layout, the LM head included
+        (kept fp32). On this CPU the packed fp32 LM head is also batch-invariant, which MKL's
+        sgemm is not, and 4x faster at 8 rows (20.6 -> 4.6 ms)."""
+        c = self.config
+        head = SplitKLinear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+        head.load(self.lm_head_weight.detach())
+        self.__dict__["lm_head_packed"] = head  # not a registered submodule: not saved, not a parameter
+        for module in [*self.modules(), head]:
             if isinstance(module, SplitKLinear):
                 module.prepack()
 
@@ -291,10 +296,10 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [n, hidden] -> [n, vocab] fp32 (never bf16: rounding logits to 8 mantissa bits
         # would move probabilities by several percent and create false ties at temperature 0)
-        weight_t = getattr(self, "lm_head_t", None)
-        if weight_t is None:
-            weight_t = self.lm_head_weight.t()
-        return hidden.float() @ weight_t
+        head = self.__dict__.get("lm_head_packed")
+        if head is not None:
+            return head(hidden)
+        return hidden.float() @ self.lm_head_weight.t()
 
     # ---- weights -------------------------------------------------------------------------
 
