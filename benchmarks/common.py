@@ -1,27 +1,15 @@
-"""Shared helpers of the benchmark scripts: prompts from ../shared/data/eval, medians, tables."""
+"""Shared helpers of the benchmark scripts: medians and tables (prompts: dspark.evaluation.prompts)."""
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-from pathlib import Path
 
-EVAL_DIR = Path(os.environ.get("DSPARK_EVAL_DIR", Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"))
+from dspark.evaluation.prompts import load_first_turns
 
 
 def load_prompts(benchmark: str, limit: int) -> list[str]:
-    """First-turn user messages of a benchmark file (one JSON object per line with "turns")."""
-    path = EVAL_DIR / f"{benchmark}.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found; set DSPARK_EVAL_DIR to the folder of the benchmark .jsonl files")
-    prompts = []
-    with path.open() as f:
-        for line in f:
-            prompts.append(json.loads(line)["turns"][0])
-            if len(prompts) == limit:
-                break
-    return prompts
+    """First-turn user messages of a benchmark of ../shared/data/eval."""
+    return load_first_turns(benchmark, limit=limit)
 
 
 def median(xs: list[float]) -> float:

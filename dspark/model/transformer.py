@@ -197,7 +197,6 @@ class DecoderLayer(nn.Module):
         # A Python loop over requests: attention is the only op whose shape differs per request,
         # and per-request SDPA over the cache prefix wastes no FLOPs on padding.
         c = self.config
-        group = c.num_heads // c.num_kv_heads
         out = torch.empty(q.shape[0], c.num_heads, c.head_dim, dtype=q.dtype)
         start = 0
         for cache, q_len, ctx_len, mask in zip(meta.caches, meta.query_lens, meta.context_lens, meta.masks):

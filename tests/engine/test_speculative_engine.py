@@ -8,9 +8,7 @@ the end runs the real default model on HumanEval prompts.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ import torch
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
+from dspark.evaluation.prompts import load_first_turns
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.sampling.params import SamplingParams, logits_to_probs
 
@@ -429,15 +428,9 @@ def test_sampled_tokens_have_exactly_the_target_distribution_whatever_the_draft_
 
 # ---- the real default model (slow) --------------------------------------------------------
 
-HUMANEVAL = Path("/work/shared/data/eval/humaneval.jsonl")
-
-
 @pytest.mark.slow
 def test_greedy_ngram_speculation_on_humaneval_equals_plain_greedy_on_the_default_model(real_runtime, real_tokenizer):
-    if not HUMANEVAL.exists():
-        pytest.skip(f"{HUMANEVAL} not found")
-    lines = HUMANEVAL.read_text().splitlines()[:4]
-    prompts = [real_tokenizer.encode_chat([{"role": "user", "content": json.loads(line)["turns"][0]}]) for line in lines]
+    prompts = [real_tokenizer.encode_chat([{"role": "user", "content": text}]) for text in load_first_turns("humaneval", limit=4)]
     kwargs = dict(max_new_tokens=64, stop=real_tokenizer.eos_token_ids)
     plain = _generate(real_runtime, None, prompts, prefix="humaneval-plain-", **kwargs)
     spec = _generate(real_runtime, NgramDrafter(), prompts, gamma=5, prefix="humaneval-ngram-", **kwargs)

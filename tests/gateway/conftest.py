@@ -1,8 +1,5 @@
 """Fixtures for the gateway tests: the real default model behind the app (module-scoped, slow),
-a live uvicorn server on a free localhost port, and tiny random engines for the fast tests.
-
-This directory deliberately has no __init__.py: without a tests/__init__.py, pytest would import
-it as a top-level package named `gateway` and shadow the real `gateway` package."""
+and a live uvicorn server on a free localhost port."""
 
 from __future__ import annotations
 
@@ -12,16 +9,13 @@ import time
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import SpeculativeEngine
-from dspark.model.config import ModelConfig
 from dspark.model.model_store import DEFAULT_MODEL
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
-from dspark.model.transformer import Transformer
 
 MAX_TOKENS_LIMIT = 1024  # the cancellation test asks for this many: it cannot finish by itself in time
 
@@ -72,33 +66,6 @@ def live_url(served):
     server.should_exit = True
     thread.join(10)
     sock.close()
-
-
-def tiny_runtime(*, kv_budget_tokens: int = 4096, seed: int = 0) -> TargetRuntime:
-    """A random 4-layer model (vocab 256): milliseconds per forward."""
-    torch.manual_seed(seed)
-    model = Transformer(ModelConfig.tiny(), compute_dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.eval().requires_grad_(False)
-    model.prepare_for_inference()
-    return TargetRuntime(model, kv_budget_tokens=kv_budget_tokens)
-
-
-@pytest.fixture
-def tiny_engine():
-    """Factory: a started AsyncEngine over a tiny random model; all are shut down afterwards."""
-    made: list[AsyncEngine] = []
-
-    def make(*, kv_budget_tokens: int = 4096, drafter=None) -> AsyncEngine:
-        engine = AsyncEngine(SpeculativeEngine(tiny_runtime(kv_budget_tokens=kv_budget_tokens), drafter), idle_poll_s=0.01)
-        made.append(engine.start())
-        return engine
-
-    yield make
-    for e in made:
-        e.shutdown()
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.model.config import ModelConfig
-from dspark.model.target_runtime import TargetConfig, TargetRuntime, default_capture_layers
+from dspark.model.target_runtime import TargetConfig, default_capture_layers
 
 # ---- bad input is a ValueError that says what was wrong, and changes nothing ---------------
 

@@ -98,7 +98,6 @@ def test_an_all_zero_residual_falls_back_to_a_draw_from_the_target(batch_of):
 
 @pytest.mark.parametrize("filter_kwargs", [{"top_p": 0.7}, {"top_k": 2}])
 def test_target_top_p_and_top_k_hold_a_token_outside_them_is_rejected_and_never_emitted(batch_of, filter_kwargs):
-    vocab = 4
     params = SamplingParams(temperature=1.0, **filter_kwargs)
     # Nucleus {0, 1} for top_p=0.7 (0.45 + 0.35 crosses 0.7) and for top_k=2. Token 3 lies outside.
     target = _logits([0.45, 0.35, 0.15, 0.05], [0.45, 0.35, 0.15, 0.05])
