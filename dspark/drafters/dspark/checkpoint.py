@@ -1,0 +1,97 @@
+"""Save / load a trained DSpark drafter: safetensors weights + JSON config + JSON STS temperatures.
+
+    save_checkpoint(out_dir, drafter=drafter, temperatures=fit.temperatures)
+    ckpt = load_checkpoint(out_dir, shared=SharedWeights.from_target(target))
+    ckpt.drafter, ckpt.temperatures   # temperatures: [γ] fp32 or None before calibration
+
+Layout of a checkpoint directory:
+    config.json        DSparkConfig.to_json()
+    model.safetensors  the drafter's state_dict: trainable tensors only. The shared embedding and
+                       LM head are the target's and are never written; the RoPE table is derived.
+    sts.json           {"temperatures": [T_1, ..., T_γ]} (optional, written by calibration)
+No pickle anywhere: safetensors and JSON only. Loading checks the config against the tensors
+(missing / unexpected names, shapes) and fails with a message naming every mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+STS_FILE = "sts.json"
+FORMAT = "dspark-drafter/1"
+
+
+@dataclass
+class DrafterCheckpoint:
+    drafter: DSparkDrafter
+    temperatures: torch.Tensor | None  # [γ] fp32 STS temperatures, None if not calibrated
+
+
+def save_checkpoint(directory: str | Path, *, drafter: DSparkDrafter, temperatures: torch.Tensor | None = None) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items()}
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
+    (directory / CONFIG_FILE).write_text(drafter.config.to_json())
+    if temperatures is not None:
+        save_temperatures(directory, temperatures, block_size=drafter.config.block_size)
+    return directory
+
+
+def save_temperatures(directory: str | Path, temperatures: torch.Tensor, *, block_size: int) -> None:
+    # temperatures: [γ]
+    values = _check_temperatures(temperatures.tolist(), block_size=block_size, source="temperatures")
+    (Path(directory) / STS_FILE).write_text(json.dumps({"temperatures": values}, indent=2))
+
+
+def load_temperatures(directory: str | Path, *, block_size: int) -> torch.Tensor | None:  # [γ] or None
+    path = Path(directory) / STS_FILE
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "temperatures" not in data:
+        raise ValueError(f"{path}: expected {{\"temperatures\": [...]}}, got {str(data)[:200]}")
+    return torch.tensor(_check_temperatures(data["temperatures"], block_size=block_size, source=str(path)), dtype=torch.float32)
+
+
+def _check_temperatures(values: list, *, block_size: int, source: str) -> list[float]:
+    if len(values) != block_size or not all(isinstance(v, (int, float)) and v > 0 for v in values):
+        raise ValueError(f"{source}: expected {block_size} positive temperatures (one per block position), got {values}")
+    return [float(v) for v in values]
+
+
+def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str | torch.device = "cpu") -> DrafterCheckpoint:
+    directory = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).exists():
+            raise FileNotFoundError(f"{directory} is not a DSpark drafter checkpoint: no {name}")
+    config = DSparkConfig.from_json((directory / CONFIG_FILE).read_text())
+    drafter = DSparkDrafter(config, shared=shared)  # checks shared shapes against the config
+    with safe_open(str(directory / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
+        fmt = (f.metadata() or {}).get("format")
+        if fmt != FORMAT:
+            raise ValueError(f"{directory / WEIGHTS_FILE}: format {fmt!r}, expected {FORMAT!r}")
+        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
+    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    got = {name: tuple(t.shape) for name, t in state.items()}
+    problems = [f"missing {n}" for n in sorted(expected.keys() - got.keys())]
+    problems += [f"unexpected {n}" for n in sorted(got.keys() - expected.keys())]
+    problems += [f"{n}: shape {got[n]}, config implies {expected[n]}" for n in sorted(expected.keys() & got.keys()) if got[n] != expected[n]]
+    if problems:
+        raise ValueError(f"{directory}: weights do not match {CONFIG_FILE}: " + "; ".join(problems))
+    drafter.load_state_dict(state)
+    return DrafterCheckpoint(drafter=drafter.to(device), temperatures=load_temperatures(directory, block_size=config.block_size))
+
+
+__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_temperatures", "save_checkpoint", "save_temperatures"]

@@ -1,0 +1,175 @@
+"""The DSpark drafter's configuration: one flat frozen dataclass, JSON round trip, presets.
+
+The draft layers mirror the target's attention geometry by default (hidden size, heads, KV
+heads, head dim, MLP width, RoPE): the drafter shares the target's embedding and LM head, so
+its hidden size MUST equal the target's; the other sizes are copied only as a sensible default
+(`DSparkConfig.from_target(target_cfg, **overrides)`).
+
+    cfg = DSparkConfig.from_target(ModelConfig.from_dir(model_dir))   # 2 draft layers, γ = 7
+    text = cfg.to_json(); assert DSparkConfig.from_json(text) == cfg
+    cfg = DSparkConfig.tiny()                                           # unit tests
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dspark.model.config import ModelConfig
+
+HEAD_TYPES = ("markov", "rnn")
+
+
+def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
+    """`count` target layers spread evenly (DeepSpec: [1, 9, 17, 25, 33] of 36); the same rule
+    as the target runtime's capture layers, so a default drafter reads what a default runtime
+    captures."""
+    from dspark.model.target_runtime import default_capture_layers
+
+    return default_capture_layers(num_target_layers, count)
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    # ---- shared with the target (embedding / LM head / RoPE) -------------------------------
+    vocab_size: int
+    hidden_size: int  # must equal the target's: the embedding and LM head are the target's
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs form H_ctx, in concat order
+    mask_token_id: int  # embedding row fed at block positions 2..γ (the frozen target row)
+    # ---- draft layers (default: the target's geometry) -------------------------------------
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # same meaning as ModelConfig.rope_scaling (llama3 only)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3-style targets)
+    num_layers: int = 2  # a 2-layer DSpark beats a 5-layer DFlash (DSPARK.md §6); ~1/15 of a 30-layer target
+    block_size: int = 7  # γ: one anchor in, γ draft tokens out
+    # ---- sequential + confidence heads -----------------------------------------------------
+    head_type: str = "markov"  # "markov" (default) | "rnn" (DSPARK.md §2, Eq. 6)
+    markov_rank: int = 256  # r: W1 ∈ R^{V×r}, W2 ∈ R^{r×V}; also the RNN state size
+    # ---- training loss (DSPARK.md §3) ------------------------------------------------------
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    conf_weight: float = 1.0
+    position_decay: float = 4.0  # γ_w in w_k = exp(-(k-1)/γ_w)
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "intermediate_size", "num_layers", "block_size", "markov_rank")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if not isinstance(self.target_layer_ids, tuple) or not self.target_layer_ids:
+            raise ValueError(f"target_layer_ids must be a non-empty tuple, got {self.target_layer_ids!r}")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids) < 0:
+            raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {self.target_layer_ids}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id must be in [0, {self.vocab_size}), got {self.mask_token_id}")
+        for name in ("ce_weight", "tv_weight", "conf_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.position_decay > 0:
+            raise ValueError(f"position_decay (γ_w) must be > 0, got {self.position_decay}")
+
+    # ---- derived ---------------------------------------------------------------------------
+
+    @property
+    def num_context_layers(self) -> int:  # m
+        return len(self.target_layer_ids)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # ---- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target: ModelConfig, **overrides: Any) -> DSparkConfig:
+        """Draft layers with the target's geometry, context from 5 evenly spread target layers.
+
+        `mask_token_id` defaults to the last vocabulary row (any fixed row works: the mask
+        embedding is frozen and the draft layers learn around it); override it when the
+        tokenizer has a reserved unused token."""
+        base: dict[str, Any] = dict(
+            vocab_size=target.vocab_size,
+            hidden_size=target.hidden_size,
+            target_layer_ids=default_target_layer_ids(target.num_layers),
+            mask_token_id=target.vocab_size - 1,
+            num_heads=target.num_heads,
+            num_kv_heads=target.num_kv_heads,
+            head_dim=target.head_dim,
+            intermediate_size=target.intermediate_size,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_theta=target.rope_theta,
+            rope_scaling=dict(target.rope_scaling) if target.rope_scaling else None,
+            qk_norm=target.qk_norm,
+        )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
+        base.update(overrides)
+        if "target_layer_ids" in overrides:
+            base["target_layer_ids"] = tuple(base["target_layer_ids"])
+        cfg = cls(**base)
+        cfg.check_target(target)
+        return cfg
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> DSparkConfig:
+        """For unit tests: matches `ModelConfig.tiny()` (vocab 256, hidden 64, 4 layers), γ = 4,
+        rank 16, context from target layers (1, 3)."""
+        base: dict[str, Any] = dict(block_size=4, markov_rank=16, target_layer_ids=(1, 3))
+        base.update(overrides)
+        return cls.from_target(ModelConfig.tiny(), **base)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
+        if (self.vocab_size, self.hidden_size) != (target.vocab_size, target.hidden_size):
+            raise ValueError(
+                f"drafter (vocab {self.vocab_size}, hidden {self.hidden_size}) does not match the target "
+                f"(vocab {target.vocab_size}, hidden {target.hidden_size}): embedding and LM head are shared"
+            )
+        bad = [l for l in self.target_layer_ids if l >= target.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}; expected a subset of {sorted(names)}")
+        d = dict(d)
+        if "target_layer_ids" in d:
+            d["target_layer_ids"] = tuple(int(l) for l in d["target_layer_ids"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DSparkConfig:
+        return cls.from_dict(json.loads(text))

@@ -1,0 +1,242 @@
+"""DSpark's sequential stage: the Markov / RNN logit-bias heads, the confidence head, and the
+left-to-right sampler that turns backbone logits into draft tokens with exact rows.
+
+Position k's draft distribution (DSPARK.md §2):
+    p_k(v | x_0, x_<k) = softmax_v( U_k(v) + B_k(x_0, x_<k, v) )
+where U_k are the parallel backbone's logits and B_k the head's bias given the previous token.
+- Markov head (default):  B(x_{k-1}, ·) = W1[x_{k-1}] W2,  W1 ∈ R^{V×r}, W2 ∈ R^{r×V}.
+- RNN head (Eq. 6):       z_k = [s_{k-1}; W1[x_{k-1}]; h_k],  [g̃; c̃; õ] = W z_k + b,
+                          g = σ(g̃),  s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(c̃),  B_k = W2ᵀ tanh(õ),  s_0 = 0.
+- Confidence head:        c_k = σ(wᵀ [h_k ; W1[x_{k-1}]] + b), the probability that x_k survives
+                          verification given x_1..x_{k-1} were accepted.
+W1 is ONE table per drafter, read by the sequential head and the confidence head alike.
+W2 starts at zero, so an untrained head leaves the backbone's distribution unchanged.
+
+Two modes: teacher-forced (training; x_{k-1} are the ground-truth tokens, x_0 the anchor) and
+`sample_sequential` (serving; x_{k-1} are the tokens just sampled). Both go through the same
+`step` of each head; the Markov head's vectorised teacher-forced path is tested against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.drafters.base import DraftProposal
+from dspark.sampling.params import logits_to_probs
+
+HeadState = torch.Tensor | None  # RNN: [n, r]; Markov: None (memoryless)
+
+
+class MarkovHead(nn.Module):
+    """Low-rank learned bigram bias B(x_{k-1}, ·) = W1[x_{k-1}] W2 (memoryless)."""
+
+    def __init__(self, *, vocab_size: int, rank: int):
+        super().__init__()
+        self.w1 = nn.Embedding(vocab_size, rank)  # [V, r], shared with the confidence head
+        self.w2 = nn.Parameter(torch.zeros(rank, vocab_size))  # [r, V], zero: B = 0 at init
+
+    def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
+        return None
+
+    def step(
+        self,
+        prev_emb: torch.Tensor,  # [n, r] W1[x_{k-1}]
+        hidden: torch.Tensor,  # [n, hidden] h_k (unused: the Markov bias sees only x_{k-1})
+        state: HeadState,
+    ) -> tuple[torch.Tensor, HeadState]:  # bias [n, V], state
+        return prev_emb @ self.w2, state
+
+    def teacher_forced(
+        self,
+        prev_emb: torch.Tensor,  # [n, γ, r] W1[x_{k-1}] for k = 1..γ (x_0 = anchor)
+        hidden: torch.Tensor,  # [n, γ, hidden]
+    ) -> torch.Tensor:  # [n, γ, V]
+        # memoryless: every position at once (equal to looping `step`, tested)
+        return prev_emb @ self.w2
+
+
+class RNNHead(nn.Module):
+    """Gated recurrent bias over the block (DSPARK.md Eq. 6); s_0 = 0.
+
+    `joint` is the one linear layer split three ways: output rows [0, r) are W_g, [r, 2r) W_c,
+    [2r, 3r) W_o, acting on z = [s_{k-1}; W1[x_{k-1}]; h_k] (in that order)."""
+
+    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__()
+        self.rank = rank
+        self.w1 = nn.Embedding(vocab_size, rank)  # [V, r]
+        self.w2 = nn.Parameter(torch.zeros(rank, vocab_size))  # [r, V]
+        self.joint = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [3r, 2r + hidden] (+ bias [3r])
+
+    def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
+        return like.new_zeros(num_rows, self.rank)  # [n, r] s_0 = 0
+
+    def step(
+        self,
+        prev_emb: torch.Tensor,  # [n, r]
+        hidden: torch.Tensor,  # [n, hidden]
+        state: HeadState,  # [n, r] s_{k-1}
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # bias [n, V], s_k [n, r]
+        z = torch.cat([state, prev_emb, hidden], dim=-1)  # [n, 2r + hidden]
+        g_raw, c_raw, o_raw = self.joint(z).chunk(3, dim=-1)  # [n, r] each
+        g = torch.sigmoid(g_raw)
+        new_state = g * state + (1.0 - g) * torch.tanh(c_raw)  # Eq. 6 state update
+        return torch.tanh(o_raw) @ self.w2, new_state  # B_k = W2ᵀ tanh(W_o z)
+
+    def teacher_forced(
+        self,
+        prev_emb: torch.Tensor,  # [n, γ, r]
+        hidden: torch.Tensor,  # [n, γ, hidden]
+    ) -> torch.Tensor:  # [n, γ, V]
+        # A loop over γ positions (≤ 15): the recurrence is inherently sequential.
+        state = self.init_state(prev_emb.shape[0], like=prev_emb)
+        biases = []
+        for k in range(prev_emb.shape[1]):
+            bias, state = self.step(prev_emb[:, k], hidden[:, k], state)
+            biases.append(bias)
+        return torch.stack(biases, dim=1)
+
+
+SequentialHead = MarkovHead | RNNHead
+
+
+def make_sequential_head(*, head_type: str, vocab_size: int, rank: int, hidden_size: int) -> SequentialHead:
+    if head_type == "markov":
+        return MarkovHead(vocab_size=vocab_size, rank=rank)
+    if head_type == "rnn":
+        return RNNHead(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size)
+    raise ValueError(f"head_type must be 'markov' or 'rnn', got {head_type!r}")
+
+
+class ConfidenceHead(nn.Module):
+    """Raw confidence logit wᵀ[h_k ; W1[x_{k-1}]] + b; c_k = σ(logit) (before STS calibration)."""
+
+    def __init__(self, *, hidden_size: int, rank: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size + rank, 1)  # w: [1, hidden + r], b: [1]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [..., hidden] h_k
+        prev_emb: torch.Tensor,  # [..., r] W1[x_{k-1}]
+    ) -> torch.Tensor:  # [...] logit of c_k
+        return self.proj(torch.cat([hidden, prev_emb], dim=-1)).squeeze(-1)
+
+
+# ---- serving: left-to-right sampling ----------------------------------------------------------
+
+
+@dataclass
+class DraftSample:
+    """γ draft tokens per row and the exact rows they were sampled from.
+
+    Exactly one of `dense_probs` / (`sparse_ids`, `sparse_probs`) is set: dense when the row is
+    the full softmax (temperature > 0, no truncation), sparse for top-k / top-p truncation
+    (renormalised; ids of zero-probability tokens omitted, padding id -1 with prob 0) and for
+    temperature 0 (a point mass on the argmax: ids [[x_k]], probs [[1.0]])."""
+
+    tokens: torch.Tensor  # [n, γ] int64
+    confidence_logits: torch.Tensor  # [n, γ] fp32 raw logits of c_k (calibrate with STS)
+    dense_probs: torch.Tensor | None = None  # [n, γ, V] fp32
+    sparse_ids: torch.Tensor | None = None  # [n, γ, width] int64, -1 = padding
+    sparse_probs: torch.Tensor | None = None  # [n, γ, width] fp32
+
+    def proposal(self, row: int, *, num_tokens: int | None = None, confidences: torch.Tensor | None = None) -> DraftProposal:
+        """Row `row` (its first `num_tokens` drafts) in the engine's contract. A dense row becomes
+        a sparse one listing every vocabulary id. confidences: [γ] (calibrated), optional."""
+        k = self.tokens.shape[1] if num_tokens is None else num_tokens
+        if self.dense_probs is not None:
+            probs = self.dense_probs[row, :k]  # [k, V]
+            ids = torch.arange(probs.shape[-1]).expand(k, -1)
+        else:
+            ids, probs = self.sparse_ids[row, :k], self.sparse_probs[row, :k]
+        conf = None if confidences is None else confidences[:k]
+        return DraftProposal(token_ids=self.tokens[row, :k], prob_ids=ids, probs=probs, confidences=conf)
+
+
+def _sparsify(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # probs: [n, γ, V] with zeros outside the kept set -> ids, probs [n, γ, width]
+    width = max(int((probs > 0).sum(-1).max()), 1)
+    values, ids = torch.topk(probs, width, dim=-1)  # descending: kept tokens first
+    return torch.where(values > 0, ids, torch.full_like(ids, -1)), values
+
+
+@torch.no_grad()
+def sample_sequential(
+    *,
+    base_logits: torch.Tensor,  # [n, γ, V] U_1..U_γ from the backbone
+    hidden: torch.Tensor,  # [n, γ, hidden] h_1..h_γ
+    anchor_tokens: torch.Tensor,  # [n] int64 x_0
+    head: SequentialHead,
+    confidence_head: ConfidenceHead,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> DraftSample:
+    """Sample x_1..x_γ left to right from p_k = softmax((U_k + B_k)/T), truncated by top-k/top-p
+    and renormalised exactly as the target side does (`logits_to_probs`).
+
+    Invariant: the row returned for (i, k) is, bit for bit, the distribution x[i, k] was drawn
+    from, and B_k was computed from the x[i, k-1] actually sampled; the verifier's losslessness
+    rests on this. Temperature 0 takes the argmax (ties: lowest id) as a point mass."""
+    n, gamma, vocab = base_logits.shape
+    if hidden.shape[:2] != (n, gamma) or anchor_tokens.shape != (n,):
+        raise ValueError(
+            f"expected hidden [{n}, {gamma}, hidden] and anchor_tokens [{n}], "
+            f"got {tuple(hidden.shape)} and {tuple(anchor_tokens.shape)}"
+        )
+    if not temperature >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    greedy = temperature == 0.0
+    truncated = not greedy and ((0 < top_k < vocab) or top_p < 1.0)
+
+    tokens = torch.empty(n, gamma, dtype=torch.long, device=base_logits.device)
+    conf_logits = torch.empty(n, gamma, dtype=torch.float32, device=base_logits.device)
+    rows = None if greedy else torch.empty(n, gamma, vocab, dtype=torch.float32, device=base_logits.device)
+    prev = anchor_tokens.long()  # [n] x_{k-1}
+    state = head.init_state(n, like=hidden)
+    # A Python loop over γ positions: x_k's distribution depends on the sampled x_{k-1}, which is
+    # the point of the sequential stage (the backbone's γ positions ran in parallel before it).
+    for k in range(gamma):
+        prev_emb = head.w1(prev)  # [n, r]
+        conf_logits[:, k] = confidence_head(hidden[:, k], prev_emb).float()
+        bias, state = head.step(prev_emb, hidden[:, k], state)  # [n, V]
+        logits = base_logits[:, k].float() + bias.float()  # [n, V] U_k + B_k
+        if greedy:
+            prev = logits.argmax(dim=-1)
+        else:
+            probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, V]
+            prev = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            rows[:, k] = probs
+        tokens[:, k] = prev
+    if greedy:
+        ones = torch.ones(n, gamma, 1, dtype=torch.float32, device=tokens.device)
+        return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=tokens.unsqueeze(-1), sparse_probs=ones)
+    if truncated:
+        ids, probs = _sparsify(rows)
+        return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=ids, sparse_probs=probs)
+    return DraftSample(tokens=tokens, confidence_logits=conf_logits, dense_probs=rows)
+
+
+def teacher_forced_logits(
+    *,
+    base_logits: torch.Tensor,  # [n, γ, V] U_k
+    hidden: torch.Tensor,  # [n, γ, hidden] h_k
+    prev_tokens: torch.Tensor,  # [n, γ] int64 x_0, x*_1, ..., x*_{γ-1}
+    head: SequentialHead,
+    confidence_head: ConfidenceHead,
+) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [n, γ, V] (U + B), confidence logits [n, γ]
+    """Training mode: B_k and c_k conditioned on the ground-truth previous tokens."""
+    prev_emb = head.w1(prev_tokens)  # [n, γ, r]
+    logits = base_logits + head.teacher_forced(prev_emb, hidden)
+    return logits, confidence_head(hidden, prev_emb)
+
+
+__all__ = [
+    "ConfidenceHead", "DraftSample", "MarkovHead", "RNNHead", "SequentialHead",
+    "make_sequential_head", "sample_sequential", "teacher_forced_logits",
+]

@@ -1,0 +1,379 @@
+"""The DSpark drafter: parallel backbone (DFlash-style KV injection) + sequential heads.
+
+This module owns the block layout (`DraftBlock`, `BlockBatch`), the attention mask that
+enforces the leakage rule (`block_attention_mask`), the draft layers and `DSparkDrafter`,
+which composes them with the heads of heads.py in two modes: `forward` (teacher-forced,
+training) and `draft` (sampling, serving).
+
+One block (DSPARK.md §2-3), anchor x_0 at absolute position t, γ = block_size:
+  * context features  H_ctx = RMSNorm(W_c [H(l_1); ...; H(l_m)])  [ctx_len, hidden], from the
+    target's layer outputs at positions 0..t-1 (`TargetRuntime.forward(..., capture=True)`);
+  * block input       [embed(x_0), embed(mask) × (γ-1)] at positions t, t+1, ..., t+γ-1;
+  * every draft layer: queries from the block; keys/values [W_K H_ctx ; W_K H_d] (context first,
+    then block: KV injection into EVERY layer); RoPE at the absolute positions above;
+  * attention: bidirectional inside the block; context positions < t only (leakage rule: the
+    anchor enters as a token embedding, its own hidden state does not exist at serving time);
+  * output: final-normed h_1..h_γ and U_k = LMHead(h_k), so block position k (input x_0 or a
+    mask) predicts the token at t + k.
+The embedding and LM head are the target's own tensors, referenced (`SharedWeights`), frozen:
+they are neither parameters of the drafter nor in its state_dict / checkpoint.
+
+Layout: padded 2-D, one row per sequence, several blocks per row (training: many anchors of
+one sequence share its context keys; serving: one block per request). The production path
+packs blocks of many sequences with token-level attention indices instead of a padded
+[rows, Q, ctx + Q] mask; this module is the plain reference it will be tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.heads import (
+    ConfidenceHead,
+    DraftSample,
+    make_sequential_head,
+    sample_sequential,
+    teacher_forced_logits,
+)
+from dspark.model.transformer import Transformer, apply_rope, rms_norm, rope_inv_freq
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """The target's token embedding and LM head, referenced (same storage), never trained."""
+
+    embed: torch.Tensor  # [vocab, hidden] fp32
+    lm_head: torch.Tensor  # [vocab, hidden] fp32 (the same tensor as `embed` when tied)
+
+    @classmethod
+    def from_target(cls, target: Transformer) -> SharedWeights:
+        # .detach() shares storage and cuts autograd: no gradient can reach the target's tensors
+        return cls(embed=target.embed.weight.detach(), lm_head=target.lm_head_weight.detach())
+
+
+# ---- the block layout ---------------------------------------------------------------------------
+
+
+@dataclass
+class DraftBlock:
+    """One block to draft: the anchor and the target context before it."""
+
+    context: torch.Tensor  # [ctx_len, m, hidden] target layer outputs at positions 0..ctx_len-1
+    anchor_position: int  # t, absolute position of x_0; needs ctx_len >= t (positions < t are read)
+    anchor_token: int  # x_0
+
+
+@dataclass
+class BlockBatch:
+    """Blocks grouped by the sequence whose context they read, padded to a rectangle.
+
+    Row i holds one sequence's context (positions 0..context_lens[i]-1, zero padded after) and
+    its blocks; padding blocks have block_valid False (their outputs are meaningless). Every
+    valid anchor satisfies 0 <= t <= context_lens[i], so padded context positions (>= its
+    context length >= t) are always masked by the leakage rule."""
+
+    context: torch.Tensor  # [num_rows, ctx_len, m, hidden] fp32
+    context_lens: torch.Tensor  # [num_rows] int64
+    anchor_positions: torch.Tensor  # [num_rows, blocks_per_row] int64
+    anchor_tokens: torch.Tensor  # [num_rows, blocks_per_row] int64
+    block_valid: torch.Tensor  # [num_rows, blocks_per_row] bool
+
+    @classmethod
+    def from_sequences(
+        cls,
+        *,
+        contexts: list[torch.Tensor],  # each [ctx_len_i, m, hidden]
+        anchor_positions: list[torch.Tensor],  # each [num_blocks_i] int64
+        anchor_tokens: list[torch.Tensor],  # each [num_blocks_i] int64
+    ) -> BlockBatch:
+        if not contexts or not len(contexts) == len(anchor_positions) == len(anchor_tokens):
+            raise ValueError(
+                f"need one anchor_positions and anchor_tokens tensor per context, got {len(contexts)} contexts, "
+                f"{len(anchor_positions)} anchor_positions, {len(anchor_tokens)} anchor_tokens"
+            )
+        shape = tuple(contexts[0].shape[1:])
+        for i, (ctx, pos, tok) in enumerate(zip(contexts, anchor_positions, anchor_tokens)):
+            if ctx.dim() != 3 or tuple(ctx.shape[1:]) != shape:
+                raise ValueError(f"context {i}: expected [ctx_len, {shape[0]}, {shape[1]}], got {tuple(ctx.shape)}")
+            if pos.dim() != 1 or pos.shape != tok.shape or pos.numel() == 0:
+                raise ValueError(f"sequence {i}: anchor_positions {tuple(pos.shape)} and anchor_tokens {tuple(tok.shape)} must be equal non-empty 1-D")
+            if int(pos.min()) < 0 or int(pos.max()) > ctx.shape[0]:
+                raise ValueError(f"sequence {i}: anchor positions must be in [0, {ctx.shape[0]}] (its context length), got {pos.tolist()}")
+        rows, max_ctx = len(contexts), max(c.shape[0] for c in contexts)
+        max_blocks = max(p.numel() for p in anchor_positions)
+        context = contexts[0].new_zeros(rows, max_ctx, *shape)
+        positions = torch.zeros(rows, max_blocks, dtype=torch.long)
+        tokens = torch.zeros(rows, max_blocks, dtype=torch.long)
+        valid = torch.zeros(rows, max_blocks, dtype=torch.bool)
+        for i, (ctx, pos, tok) in enumerate(zip(contexts, anchor_positions, anchor_tokens)):
+            context[i, : ctx.shape[0]] = ctx
+            positions[i, : pos.numel()] = pos
+            tokens[i, : tok.numel()] = tok
+            valid[i, : pos.numel()] = True
+        lens = torch.tensor([c.shape[0] for c in contexts], dtype=torch.long)
+        return cls(context=context, context_lens=lens, anchor_positions=positions, anchor_tokens=tokens, block_valid=valid)
+
+    @classmethod
+    def from_blocks(cls, blocks: list[DraftBlock]) -> BlockBatch:
+        """One row per block (serving: one block per request)."""
+        return cls.from_sequences(
+            contexts=[b.context for b in blocks],
+            anchor_positions=[torch.tensor([b.anchor_position]) for b in blocks],
+            anchor_tokens=[torch.tensor([b.anchor_token]) for b in blocks],
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.context.shape[0])
+
+    @property
+    def blocks_per_row(self) -> int:
+        return int(self.anchor_positions.shape[1])
+
+    def valid_anchor_tokens(self) -> torch.Tensor:  # [num_valid_blocks] int64, row-major
+        return self.anchor_tokens[self.block_valid]
+
+
+def block_attention_mask(
+    anchor_positions: torch.Tensor,  # [num_rows, blocks_per_row] int64 anchor position t of each block
+    *,
+    context_len: int,  # L, padded context length (keys 0..L-1 are context positions 0..L-1)
+    block_size: int,  # γ
+) -> torch.Tensor:  # [num_rows, blocks_per_row * γ, L + blocks_per_row * γ] bool, True = attend
+    """Which keys each block query may attend to. Queries are the rows' blocks, flattened
+    (query q belongs to block q // γ); keys are the L context positions, then the blocks' own
+    positions in the same order. Query q of block b attends to
+      * context key p iff p < t_b (leakage rule: strictly before the anchor), and
+      * block key j iff j belongs to block b (bidirectional inside the block, blind to others)."""
+    num_blocks = anchor_positions.shape[1]
+    q_len = num_blocks * block_size
+    device = anchor_positions.device
+    q_block = torch.arange(q_len, device=device) // block_size  # [Q]
+    kv = torch.arange(context_len + q_len, device=device)  # [K]
+    anchor_of_query = anchor_positions[:, q_block]  # [rows, Q]
+    is_context = kv < context_len  # [K]
+    context_ok = is_context & (kv.view(1, 1, -1) < anchor_of_query.unsqueeze(-1))  # [rows, Q, K]
+    kv_block = torch.div(kv - context_len, block_size, rounding_mode="floor")  # [K], negative for context keys
+    block_ok = ~is_context & (kv_block.view(1, -1) == q_block.view(-1, 1))  # [Q, K]
+    return context_ok | block_ok.unsqueeze(0)
+
+
+def block_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    # anchor_positions: [...] -> [..., γ]: block position k-1 (input x_0 or a mask) sits at t + k - 1
+    return anchor_positions.unsqueeze(-1) + torch.arange(block_size, device=anchor_positions.device)
+
+
+def _rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # positions: [...] int64 -> cos, sin [..., 1, head_dim] (rotate-half layout, as the target)
+    freqs = positions.float().unsqueeze(-1) * inv_freq  # [..., head_dim // 2]
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
+    return emb.cos(), emb.sin()
+
+
+# ---- draft layers -------------------------------------------------------------------------------
+
+
+class DraftLayer(nn.Module):
+    """A pre-norm decoder layer whose keys/values are [context ; block] (KV injection).
+
+    The context features enter every layer as keys and values only (W_K H_ctx, W_V H_ctx, with
+    the same k-norm and RoPE as block keys); they are not updated by the draft layers."""
+
+    def __init__(self, config: DSparkConfig):
+        super().__init__()
+        c = self.config = config
+        self.input_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.post_attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=False)  # rows: W_Q, W_K, W_V
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = nn.Parameter(torch.ones(c.head_dim))
+            self.k_norm = nn.Parameter(torch.ones(c.head_dim))
+
+    def _norm_heads(self, x: torch.Tensor, weight_name: str) -> torch.Tensor:
+        # x: [..., heads, head_dim]; per-head RMSNorm when the target uses qk-norm (Qwen3)
+        return rms_norm(x, getattr(self, weight_name), self.config.rms_norm_eps) if self.config.qk_norm else x
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [rows, Q, hidden] block residual stream (Q = blocks_per_row * γ)
+        context: torch.Tensor,  # [rows, L, hidden] H_ctx
+        block_rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [rows, Q, 1, head_dim]
+        context_rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [L, 1, head_dim]
+        mask: torch.Tensor,  # [rows, 1, Q, L + Q] bool
+    ) -> torch.Tensor:  # [rows, Q, hidden]
+        c = self.config
+        rows, q_len, _ = x.shape
+        ctx_len = context.shape[1]
+        h = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        q, k, v = self.qkv_proj(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        # context keys/values through the same W_K, W_V (no W_Q: the context never queries)
+        k_ctx, v_ctx = F.linear(context, self.qkv_proj.weight[c.q_size :]).split([c.kv_size, c.kv_size], dim=-1)
+        q = self._norm_heads(q.view(rows, q_len, c.num_heads, c.head_dim), "q_norm")
+        k = self._norm_heads(k.view(rows, q_len, c.num_kv_heads, c.head_dim), "k_norm")
+        k_ctx = self._norm_heads(k_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim), "k_norm")
+        q, k = apply_rope(q, *block_rope), apply_rope(k, *block_rope)
+        k_ctx = apply_rope(k_ctx, *context_rope)
+        keys = torch.cat([k_ctx, k], dim=1)  # [rows, L + Q, kv_heads, head_dim]: context first, then block
+        values = torch.cat([v_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim),
+                            v.view(rows, q_len, c.num_kv_heads, c.head_dim)], dim=1)
+        group = c.num_heads // c.num_kv_heads  # query head h reads KV head h // group (as HF's repeat_kv)
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [rows, heads, L + Q, head_dim]
+        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)  # [rows, heads, Q, head_dim]
+        x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, q_len, c.q_size))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attn_norm, c.rms_norm_eps)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+# ---- the drafter --------------------------------------------------------------------------------
+
+
+@dataclass
+class TeacherForcedOutput:
+    logits: torch.Tensor  # [rows, blocks_per_row, γ, V] U_k + B_k given the ground-truth x_{k-1}
+    confidence_logits: torch.Tensor  # [rows, blocks_per_row, γ] raw logits of c_k
+    hidden: torch.Tensor  # [rows, blocks_per_row, γ, hidden] h_k (final-normed)
+
+
+class DSparkDrafter(nn.Module):
+    """Trainable: W_c + context norm, the draft layers, the final norm, the sequential head, the
+    confidence head. Referenced, frozen: the target's embedding and LM head (`shared`)."""
+
+    def __init__(self, config: DSparkConfig, *, shared: SharedWeights):
+        super().__init__()
+        c = self.config = config
+        self.context_proj = nn.Linear(c.num_context_layers * c.hidden_size, c.hidden_size, bias=False)  # W_c
+        self.context_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
+        self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
+        self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank)
+        # rope_inv_freq reads head_dim / rope_theta / rope_scaling, which DSparkConfig names as ModelConfig does
+        self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # [head_dim // 2], derived: not saved
+        self.attach_shared(shared)
+
+    def attach_shared(self, shared: SharedWeights) -> None:
+        """Point the drafter at the target's embedding / LM head (a plain attribute: not a
+        parameter, not a buffer, not in state_dict). Call again after moving the target."""
+        expected = (self.config.vocab_size, self.config.hidden_size)
+        for name in ("embed", "lm_head"):
+            got = tuple(getattr(shared, name).shape)
+            if got != expected:
+                raise ValueError(f"shared {name} has shape {got}, the drafter config expects [vocab, hidden] = {list(expected)}")
+        self.shared = shared
+
+    # ---- backbone --------------------------------------------------------------------------
+
+    def context_features(self, context: torch.Tensor) -> torch.Tensor:
+        # context: [..., L, m, hidden] -> H_ctx = RMSNorm(W_c [H(l_1); ...; H(l_m)]) [..., L, hidden]
+        flat = context.flatten(-2).float()  # [..., L, m * hidden], layer-major as target_layer_ids
+        return rms_norm(self.context_proj(flat), self.context_norm, self.config.rms_norm_eps)
+
+    def block_embeddings(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
+        # anchor_tokens: [...] -> [..., γ, hidden]: [embed(x_0), embed(mask) × (γ-1)]
+        ids = torch.full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id,
+                         dtype=torch.long, device=anchor_tokens.device)
+        ids[..., 0] = anchor_tokens
+        return F.embedding(ids, self.shared.embed).float()
+
+    def encode(self, batch: BlockBatch, *, block_embeddings: torch.Tensor | None = None) -> torch.Tensor:
+        """The parallel backbone: hidden h_1..h_γ [rows, blocks_per_row, γ, hidden].
+
+        block_embeddings: [rows, blocks_per_row, γ, hidden] to override the block input (tests)."""
+        self._check_batch(batch)
+        c = self.config
+        rows, num_blocks = batch.anchor_positions.shape
+        ctx_len = batch.context.shape[1]
+        x = self.block_embeddings(batch.anchor_tokens) if block_embeddings is None else block_embeddings
+        x = x.reshape(rows, num_blocks * c.block_size, c.hidden_size)  # [rows, Q, hidden]
+        context = self.context_features(batch.context)  # [rows, L, hidden]
+        block_rope = _rope_cos_sin(block_positions(batch.anchor_positions, c.block_size).flatten(1), self.inv_freq)
+        context_rope = _rope_cos_sin(torch.arange(ctx_len, device=x.device), self.inv_freq)
+        mask = block_attention_mask(batch.anchor_positions, context_len=ctx_len, block_size=c.block_size).unsqueeze(1)
+        for layer in self.layers:
+            x = layer(x, context, block_rope, context_rope, mask)
+        x = rms_norm(x, self.final_norm, c.rms_norm_eps)
+        return x.view(rows, num_blocks, c.block_size, c.hidden_size)
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., hidden] -> U [..., V] fp32 through the frozen shared LM head
+        return hidden.float() @ self.shared.lm_head.float().t()
+
+    # ---- the two modes ---------------------------------------------------------------------
+
+    def forward(self, batch: BlockBatch, *, target_tokens: torch.Tensor) -> TeacherForcedOutput:
+        """Training: draft logits U_k + B(x*_{k-1}) and confidence logits, teacher forced.
+
+        target_tokens: [rows, blocks_per_row, γ] int64, x*_k = the token at t + k (any valid id
+        where it does not exist; mask those positions out of the loss)."""
+        c = self.config
+        expected = (*batch.anchor_positions.shape, c.block_size)
+        if tuple(target_tokens.shape) != expected:
+            raise ValueError(f"target_tokens must be [rows, blocks_per_row, γ] = {list(expected)}, got {list(target_tokens.shape)}")
+        hidden = self.encode(batch)  # [rows, nb, γ, hidden]
+        prev = torch.cat([batch.anchor_tokens.unsqueeze(-1), target_tokens[..., :-1]], dim=-1)  # [rows, nb, γ] x_0, x*_1..x*_{γ-1}
+        n = batch.num_rows * batch.blocks_per_row
+        logits, conf = teacher_forced_logits(
+            base_logits=self.base_logits(hidden).view(n, c.block_size, -1),
+            hidden=hidden.view(n, c.block_size, -1),
+            prev_tokens=prev.reshape(n, c.block_size),
+            head=self.head,
+            confidence_head=self.confidence_head,
+        )
+        return TeacherForcedOutput(logits=logits.view(*expected, -1), confidence_logits=conf.view(expected), hidden=hidden)
+
+    @torch.no_grad()
+    def draft(
+        self,
+        batch: BlockBatch,
+        *,
+        temperature: float,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        generator: torch.Generator | None = None,
+    ) -> DraftSample:
+        """Serving: γ draft tokens for every VALID block (rows of the result in row-major block
+        order), with the exact rows they were sampled from and raw confidence logits."""
+        hidden = self.encode(batch)[batch.block_valid]  # [n, γ, hidden]
+        return sample_sequential(
+            base_logits=self.base_logits(hidden),
+            hidden=hidden,
+            anchor_tokens=batch.valid_anchor_tokens(),
+            head=self.head,
+            confidence_head=self.confidence_head,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            generator=generator,
+        )
+
+    def _check_batch(self, batch: BlockBatch) -> None:
+        c = self.config
+        m, d = c.num_context_layers, c.hidden_size
+        if batch.context.dim() != 4 or tuple(batch.context.shape[2:]) != (m, d):
+            raise ValueError(f"batch.context must be [rows, ctx_len, m={m}, hidden={d}], got {list(batch.context.shape)}")
+        pos, lens = batch.anchor_positions, batch.context_lens.unsqueeze(1)  # [rows, nb], [rows, 1]
+        bad = batch.block_valid & ((pos < 0) | (pos > lens))
+        if bool(bad.any()):
+            raise ValueError(f"valid anchors need 0 <= t <= context length of their row; got anchors {pos[bad].tolist()}")
+        tokens = batch.anchor_tokens
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size):
+            raise ValueError(f"anchor tokens must be in [0, {c.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]")
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates: every parameter (the shared tensors are not parameters)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+__all__ = [
+    "BlockBatch", "DSparkDrafter", "DraftBlock", "DraftLayer", "SharedWeights", "TeacherForcedOutput",
+    "block_attention_mask", "block_positions",
+]

@@ -1,0 +1,174 @@
+"""DSpark's training objective (DSPARK.md §3) as pure functions of tensors.
+
+Per block, position k = 1..γ (anchor x_0 at absolute position t):
+    x*_k   = the token at t + k (what block position k predicts)
+    p_t_k  = the target's distribution at t + k, i.e. LMHead(final hidden at t + k - 1),
+             computed here from the stored hidden state on the needed rows only (O(d) storage
+             per token instead of O(V): `target_probs_from_hidden`)
+    p_d_k  = softmax(U_k + B_k)  (draft logits, teacher forced)
+    w_k    = exp(-(k-1)/γ_w)                                            (position weights)
+    L_ce   = -Σ w_k log p_d_k(x*_k)                                     (Eq. L_ce)
+    L_tv   =  Σ w_k ‖p_d_k - p_t_k‖₁                                    (Eq. L_tv; the full L1 norm = 2·TV)
+    c*_k   = 1 - ½‖p_d_k - p_t_k‖₁   (analytic acceptance rate, detached)
+    L_conf = -Σ w_k [c*_k log c_k + (1-c*_k) log(1-c_k)]                (Eq. L_conf)
+    L      = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
+Normalisation (as DeepSpec): every Σ is a weighted MEAN over all blocks and positions,
+Σ_{i,k} w_k m_ik ℓ_ik / Σ_{i,k} w_k m_ik, where m masks positions without a label (past the end
+of the sequence, outside the response). Run the tests: python -m pytest tests/training -q
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def position_weights(block_size: int, *, decay: float, device: torch.device | str = "cpu") -> torch.Tensor:  # [γ]
+    """w_k = exp(-(k-1)/γ_w) for k = 1..γ."""
+    if block_size < 1 or not decay > 0:
+        raise ValueError(f"need block_size >= 1 and decay > 0, got block_size={block_size}, decay={decay}")
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32, device=device) / decay)
+
+
+def label_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    # anchor_positions: [...] int64 -> [..., γ]: x*_k sits at t + k, k = 1..γ
+    return anchor_positions.unsqueeze(-1) + torch.arange(1, block_size + 1, device=anchor_positions.device)
+
+
+def target_hidden_positions(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    # anchor_positions: [...] int64 -> [..., γ]: p_t_k comes from the target's output at t + k - 1
+    return label_positions(anchor_positions, block_size) - 1
+
+
+def target_probs_from_hidden(
+    final_hidden: torch.Tensor,  # [n, hidden] target's final normed hidden states (LM head input)
+    lm_head_weight: torch.Tensor,  # [V, hidden]
+    *,
+    temperature: float = 1.0,
+) -> torch.Tensor:  # [n, V] fp32, rows sum to 1
+    """p_t = softmax(h Wᵀ / T) on the given rows only (the production target cache stores h, not p)."""
+    if final_hidden.dim() != 2 or lm_head_weight.dim() != 2 or final_hidden.shape[1] != lm_head_weight.shape[1]:
+        raise ValueError(
+            f"expected final_hidden [n, d] and lm_head_weight [V, d], got {list(final_hidden.shape)} and {list(lm_head_weight.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    logits = final_hidden.float() @ lm_head_weight.float().t()  # [n, V]
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def weighted_mean(
+    values: torch.Tensor,  # [n, γ] per-position loss terms
+    weights: torch.Tensor,  # [γ] w_k
+    mask: torch.Tensor | None = None,  # [n, γ] bool, True = has a label
+) -> torch.Tensor:  # [] Σ w m v / Σ w m (0 when nothing is valid)
+    w = weights.to(values.dtype).expand_as(values)
+    if mask is not None:
+        w = w * mask.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp_min(1e-12)
+
+
+def acceptance_rate(
+    draft_probs: torch.Tensor,  # [..., V] p_d
+    target_probs: torch.Tensor,  # [..., V] p_t
+) -> torch.Tensor:  # [...] c* = 1 - ½‖p_d - p_t‖₁ ∈ [0, 1]
+    """The analytic acceptance probability of a draft from p_d under a target p_t (1 - TV)."""
+    return (1.0 - 0.5 * (draft_probs - target_probs).abs().sum(dim=-1)).clamp(0.0, 1.0)
+
+
+def ce_loss(
+    draft_logits: torch.Tensor,  # [n, γ, V] U + B
+    target_ids: torch.Tensor,  # [n, γ] int64 x*_k
+    weights: torch.Tensor,  # [γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool
+) -> torch.Tensor:  # [] L_ce
+    n, gamma, vocab = draft_logits.shape
+    nll = F.cross_entropy(draft_logits.float().reshape(-1, vocab), target_ids.reshape(-1), reduction="none")
+    return weighted_mean(nll.view(n, gamma), weights, mask)
+
+
+def tv_loss(
+    draft_probs: torch.Tensor,  # [n, γ, V] p_d
+    target_probs: torch.Tensor,  # [n, γ, V] p_t
+    weights: torch.Tensor,  # [γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool
+) -> torch.Tensor:  # [] L_tv = weighted mean of ‖p_d - p_t‖₁
+    return weighted_mean((draft_probs - target_probs).abs().sum(dim=-1), weights, mask)
+
+
+def confidence_loss(
+    confidence_logits: torch.Tensor,  # [n, γ] raw logits of c_k
+    c_star: torch.Tensor,  # [n, γ] labels in [0, 1]; detached here (no gradient into p_d)
+    weights: torch.Tensor,  # [γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool
+) -> torch.Tensor:  # [] L_conf, BCE(σ(logit), c*) computed stably from the logit
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), c_star.detach().float(), reduction="none")
+    return weighted_mean(bce, weights, mask)
+
+
+@dataclass
+class DSparkLoss:
+    total: torch.Tensor  # [] L = ce_weight L_ce + tv_weight L_tv + conf_weight L_conf
+    ce: torch.Tensor  # [] L_ce
+    tv: torch.Tensor  # [] L_tv
+    conf: torch.Tensor  # [] L_conf
+    c_star: torch.Tensor  # [n, γ] detached analytic acceptance rates (diagnostics)
+
+
+def dspark_loss(
+    *,
+    draft_logits: torch.Tensor,  # [n, γ, V] teacher-forced U + B
+    target_ids: torch.Tensor,  # [n, γ] int64 x*_k
+    target_probs: torch.Tensor,  # [n, γ, V] p_t (no gradient)
+    confidence_logits: torch.Tensor,  # [n, γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool, True = position has a label
+    ce_weight: float = 0.1,
+    tv_weight: float = 0.9,
+    conf_weight: float = 1.0,
+    position_decay: float = 4.0,  # γ_w
+) -> DSparkLoss:
+    n, gamma, vocab = draft_logits.shape
+    if tuple(target_ids.shape) != (n, gamma) or tuple(confidence_logits.shape) != (n, gamma):
+        raise ValueError(
+            f"expected target_ids and confidence_logits [{n}, {gamma}], got {list(target_ids.shape)} and {list(confidence_logits.shape)}"
+        )
+    if tuple(target_probs.shape) != (n, gamma, vocab):
+        raise ValueError(f"expected target_probs [{n}, {gamma}, {vocab}], got {list(target_probs.shape)}")
+    if mask is not None and tuple(mask.shape) != (n, gamma):
+        raise ValueError(f"expected mask [{n}, {gamma}], got {list(mask.shape)}")
+    weights = position_weights(gamma, decay=position_decay, device=draft_logits.device)
+    draft_probs = torch.softmax(draft_logits.float(), dim=-1)  # [n, γ, V]
+    target_probs = target_probs.detach().float()
+    c_star = acceptance_rate(draft_probs, target_probs).detach()  # [n, γ]
+    ce = ce_loss(draft_logits, target_ids, weights, mask)
+    tv = tv_loss(draft_probs, target_probs, weights, mask)
+    conf = confidence_loss(confidence_logits, c_star, weights, mask)
+    total = ce_weight * ce + tv_weight * tv + conf_weight * conf
+    return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star)
+
+
+@torch.no_grad()
+def expected_acceptance(
+    c_star: torch.Tensor,  # [n, γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool
+) -> torch.Tensor:  # [γ] mean c*_k per position over blocks with a label there (nan if none)
+    m = torch.ones_like(c_star) if mask is None else mask.to(c_star.dtype)
+    return (c_star * m).sum(0) / m.sum(0)
+
+
+@torch.no_grad()
+def expected_accepted_length(
+    c_star: torch.Tensor,  # [n, γ]
+    mask: torch.Tensor | None = None,  # [n, γ] bool, a prefix per row
+) -> torch.Tensor:  # [] mean over blocks of τ = 1 + Σ_k Π_{i≤k} c*_i (bonus token included)
+    c = c_star if mask is None else c_star * mask.to(c_star.dtype)
+    return (1.0 + c.cumprod(dim=-1).sum(dim=-1)).mean()
+
+
+__all__ = [
+    "DSparkLoss", "acceptance_rate", "ce_loss", "confidence_loss", "dspark_loss", "expected_acceptance",
+    "expected_accepted_length", "label_positions", "position_weights", "target_hidden_positions",
+    "target_probs_from_hidden", "tv_loss", "weighted_mean",
+]
