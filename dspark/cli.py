@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-from dspark.drafters import DRAFTERS, make_drafter
+from dspark.drafters import DRAFTERS, drafter_capture_layers, make_drafter
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -24,7 +24,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
 def _target_config(args):
     from dspark.model.target_runtime import TargetConfig
 
-    return TargetConfig(model=args.model, dtype=args.dtype, kv_budget_mb=args.kv_budget_mb)
+    # A drafter that reads target hidden states fixes which layers the runtime captures.
+    capture = drafter_capture_layers(args.drafter, args.drafter_path) if hasattr(args, "drafter") else None
+    return TargetConfig(model=args.model, dtype=args.dtype, kv_budget_mb=args.kv_budget_mb, capture_layers=capture)
+
+
+def _add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", choices=DRAFTERS, default="ngram")
+    p.add_argument("--drafter-path", default=None, help="checkpoint directory of a trained drafter (dspark)")
+    p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (block size)")
 
 
 def cmd_generate(args) -> int:
@@ -42,10 +50,16 @@ def cmd_generate(args) -> int:
         return 2
     if args.seed is not None:
         torch.manual_seed(args.seed)
-    runtime = TargetRuntime.load(_target_config(args))
+    try:
+        target = _target_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
     prompt_ids = tokenizer.encode(args.prompt) if args.no_chat_template else tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    engine = SpeculativeEngine(runtime, make_drafter(args.drafter), num_speculative_tokens=args.gamma)
+    engine = SpeculativeEngine(runtime, make_drafter(args.drafter, runtime=runtime, path=args.drafter_path),
+                               num_speculative_tokens=args.gamma)
     request = GenerationRequest("cli", prompt_ids, args.max_tokens, params, stop_token_ids=tokenizer.eos_token_ids)
     t0 = time.perf_counter()
     try:
@@ -99,6 +113,7 @@ def cmd_serve(args) -> int:
     from gateway.server import serve
 
     serve(host=args.host, port=args.port, target=_target_config(args), drafter=args.drafter, gamma=args.gamma,
+          drafter_path=args.drafter_path,
           max_tokens_limit=args.max_tokens_limit, sps_max_batch=args.sps_max_batch)
     return 0
 
@@ -114,8 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--drafter", choices=DRAFTERS, default="ngram")
-    g.add_argument("--gamma", type=int, default=7, help="draft tokens per round (block size)")
+    _add_drafter_args(g)
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids and statistics")
     _add_target_args(g)
@@ -133,8 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="embedded OpenAI-compatible server (one process, no external services)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--drafter", choices=DRAFTERS, default="ngram")
-    s.add_argument("--gamma", type=int, default=7)
+    _add_drafter_args(s)
     s.add_argument("--max-tokens-limit", type=int, default=2048)
     s.add_argument("--sps-max-batch", type=int, default=64, help="profile SPS(B) at start-up up to this B (0: skip)")
     _add_target_args(s)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
-from dspark.drafters import make_drafter
+from dspark.drafters import DRAFTERS, make_drafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.model_store import DEFAULT_MODEL
@@ -47,13 +47,14 @@ def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
 
 
 def build_engine(
-    target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7, sps_max_batch: int = 64
+    target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7, sps_max_batch: int = 64,
+    drafter_path: str | None = None,
 ) -> tuple[AsyncEngine, Tokenizer]:
     """Load, warm up, profile SPS(B) and start: an AsyncEngine ready for requests, and the
     target's tokenizer. `sps_max_batch=0` skips the profile (a few seconds on this CPU)."""
     runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
-    engine = SpeculativeEngine(runtime, make_drafter(drafter), num_speculative_tokens=gamma)
+    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path), num_speculative_tokens=gamma)
     log.info("warm-up took %.2f s", warm_up(engine, tokenizer))
     if sps_max_batch > 0:
         t0 = time.perf_counter()
@@ -78,11 +79,14 @@ def serve(
     model_name: str | None = None,  # the id clients send; default: see served_model_name
     log_level: str = "info",
     sps_max_batch: int = 64,  # SPS(B) profile at start-up up to this batch; 0 skips it
+    drafter_path: str | None = None,  # checkpoint directory of a trained drafter (dspark)
 ) -> None:
-    make_drafter(drafter)  # fail on a bad name before loading anything
+    if drafter not in DRAFTERS:  # fail on a bad name before loading anything
+        raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
     target = target or TargetConfig(model=model)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch)
+    engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch,
+                                     drafter_path=drafter_path)
     name = model_name or served_model_name(target.model)
     app = create_app(engine, tokenizer, model_name=name, max_tokens_limit=max_tokens_limit)
     log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d)", name, host, port, drafter, gamma)

@@ -23,16 +23,22 @@ class DraftRequest:
     num_prompt_tokens: int
     params: SamplingParams
     max_draft_tokens: int  # γ for this round (may be less near max_tokens)
+    generator: torch.Generator | None = None  # the request's own stream, for reproducible seeded drafts
 
 
 @dataclass
 class DraftProposal:
     token_ids: torch.Tensor  # [num_draft] int64 (may be empty)
-    # The rows the tokens were sampled from, sparse: ids + probs, zero elsewhere. A deterministic
-    # drafter (n-gram lookup) proposes from a point mass: ids [[x_k]], probs [[1.0]].
-    prob_ids: torch.Tensor  # [num_draft, k] int64
-    probs: torch.Tensor  # [num_draft, k] fp32, rows sum to 1
-    confidences: torch.Tensor | None = None  # [num_draft] calibrated survival probability, if the drafter has one
+    # The rows the tokens were sampled from: sparse (ids + probs, zero elsewhere) or dense.
+    # A deterministic drafter (n-gram lookup) proposes from a point mass: ids [[x_k]], probs [[1.0]].
+    prob_ids: torch.Tensor | None = None  # [num_draft, k] int64, -1 = padding
+    probs: torch.Tensor | None = None  # [num_draft, k] fp32, rows sum to 1
+    dense_probs: torch.Tensor | None = None  # [num_draft, vocab] fp32, rows sum to 1
+    confidences: torch.Tensor | None = None  # [num_draft] calibrated conditional c_k, if the drafter has them
+
+    def __post_init__(self) -> None:
+        if (self.dense_probs is None) == (self.prob_ids is None or self.probs is None):
+            raise ValueError("a DraftProposal needs exactly one of dense_probs or (prob_ids, probs)")
 
     @classmethod
     def empty(cls) -> "DraftProposal":
@@ -50,8 +56,21 @@ class DraftProposal:
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def dense(self, vocab_size: int) -> torch.Tensor:  # [num_draft, vocab] fp32
+        if self.dense_probs is not None:
+            return self.dense_probs
+        rows = torch.zeros(len(self), vocab_size)
+        keep = self.prob_ids >= 0
+        rows.scatter_add_(1, self.prob_ids.clamp(min=0), torch.where(keep, self.probs, torch.zeros_like(self.probs)))
+        return rows
+
 
 class Drafter(Protocol):
+    """What the engine calls. A drafter that reads the target's hidden states (DSpark) also sets
+    `needs_hidden_states = True` and implements `observe(request_id, features)`: the engine then
+    captures the target's chosen layer outputs and hands over those of every newly verified
+    position ([num_new, num_capture_layers, hidden]), in order."""
+
     name: str
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]: ...

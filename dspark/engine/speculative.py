@@ -85,6 +85,14 @@ class SpeculativeEngine:
         self.runtime = runtime
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
         self.gamma = num_speculative_tokens if not isinstance(self.drafter, NoDrafter) else 0
+        self.drafter_needs_hidden = bool(getattr(self.drafter, "needs_hidden_states", False))
+        if self.drafter_needs_hidden:
+            wanted = tuple(getattr(self.drafter, "capture_layers", runtime.capture_layers))
+            if wanted != tuple(runtime.capture_layers):
+                raise ValueError(
+                    f"drafter {self.drafter.name!r} reads target layers {wanted}, the runtime captures "
+                    f"{tuple(runtime.capture_layers)}; load the target with capture_layers={wanted}"
+                )
         if sampler_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"sampler_backend must be 'auto', 'torch' or 'triton', got {sampler_backend!r}")
         if sampler_backend == "auto":
@@ -179,7 +187,8 @@ class SpeculativeEngine:
         request_ids = [s.request.request_id for s in states]
         context_lens = [self.runtime.context_len(r) for r in request_ids]
         out = self.runtime.forward(
-            request_ids, torch.cat(token_chunks), query_lens, logits_indices=torch.cat(logits_rows)
+            request_ids, torch.cat(token_chunks), query_lens, logits_indices=torch.cat(logits_rows),
+            capture=self.drafter_needs_hidden,
         )
 
         result = rejection_sample(self._rejection_batch(states, draft_of, num_drafts, out.logits), backend=self.sampler_backend)
@@ -192,6 +201,9 @@ class SpeculativeEngine:
             rid = s.request.request_id
             a = num_accepted[i]
             emitted = tokens[i][: a + 1]
+            if self.drafter_needs_hidden:  # positions now verified: the whole prompt, or x_0..x_a
+                start = out.query_start[i]
+                self.drafter.observe(rid, out.captured[start : start + (a + 1 if s.prefilled else query_lens[i])])
             if s.prefilled:
                 self.runtime.truncate(rid, context_lens[i] + 1 + a)
                 s.rounds += 1
@@ -215,6 +227,7 @@ class SpeculativeEngine:
                 params=s.request.params,
                 # at most remaining-1 drafts: a round emits ℓ+1 tokens and must not pass max_new_tokens
                 max_draft_tokens=max(0, min(self.gamma, s.remaining - 1)),
+                generator=s.generator,
             )
             for s in decoding
         ]
@@ -228,7 +241,10 @@ class SpeculativeEngine:
         drafts = [draft_of[s.request.request_id] for s in states if s.prefilled and len(draft_of[s.request.request_id])]
         draft_ids = torch.cat([d.token_ids for d in drafts]) if drafts else torch.empty(0, dtype=torch.long)
         draft_probs = None
-        if drafts:
+        if drafts and any(d.dense_probs is not None for d in drafts):
+            vocab = self.runtime.vocab_size
+            draft_probs = DraftProbs(dense=torch.cat([d.dense(vocab) for d in drafts]), sparse_ids=None, sparse_probs=None)
+        elif drafts:
             k = max(d.prob_ids.shape[1] for d in drafts)
             ids = torch.cat([torch.nn.functional.pad(d.prob_ids, (0, k - d.prob_ids.shape[1]), value=-1) for d in drafts])
             probs = torch.cat([torch.nn.functional.pad(d.probs, (0, k - d.probs.shape[1]), value=0.0) for d in drafts])

@@ -17,8 +17,9 @@ from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
 from dspark.evaluation.prompts import load_first_turns
+from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
 from dspark.model.kv_cache import KVBudgetExceeded
-from dspark.sampling.params import SamplingParams, logits_to_probs
+from dspark.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -347,46 +348,6 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_rest_of_the_batc
     assert len(outputs) > 1  # the seed matters: temperature 1 does sample
 
 
-def _exact_sequence_probs(runtime, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
-    """P(t_1..t_n) under temperature-1 sampling, from the model's logits (one request per prefix)."""
-    probs = {(): 1.0}
-    for depth in range(num_tokens):
-        prefixes = list(probs)
-        ids = [f"exact-{depth}-{i}" for i in range(len(prefixes))]
-        for rid in ids:
-            runtime.add_request(rid, len(prompt) + depth)
-        length = len(prompt) + depth
-        tokens = torch.tensor([t for p in prefixes for t in prompt + list(p)])
-        last_rows = torch.arange(1, len(prefixes) + 1) * length - 1
-        logits = runtime.forward(ids, tokens, [length] * len(prefixes), logits_indices=last_rows).logits
-        step = logits_to_probs(logits, temperature=1.0).double()  # [num_prefixes, vocab]
-        for rid in ids:
-            runtime.free_request(rid)
-        probs = {p + (v,): probs[p] * float(step[i, v]) for i, p in enumerate(prefixes) for v in range(step.shape[1])}
-    return probs
-
-
-def _chi_square_pvalue(counts: Counter, probs: dict, n: int) -> float:
-    """Pearson chi-square of observed counts against exact cell probabilities, cells with an
-    expected count under 5 pooled (smallest first) so the asymptotic distribution holds."""
-    from scipy.stats import chisquare
-
-    cells = sorted(probs, key=probs.get)
-    observed, expected = [], []
-    pool_obs = pool_exp = 0.0
-    for c in cells:
-        if pool_exp < 5 or n * probs[c] < 5:
-            pool_obs, pool_exp = pool_obs + counts.get(c, 0), pool_exp + n * probs[c]
-        else:
-            observed.append(counts.get(c, 0))
-            expected.append(n * probs[c])
-    observed.append(pool_obs)
-    expected.append(pool_exp)
-    assert len(observed) > 10, "too few cells for a meaningful test"
-    total = sum(expected)  # == n up to float rounding, which chisquare's sum check is strict about
-    return float(chisquare(observed, [e * n / total for e in expected]).pvalue)
-
-
 @pytest.mark.parametrize("drafter", ["plain", "fixed-distribution"])
 def test_sampled_tokens_have_exactly_the_target_distribution_whatever_the_draft_distribution(tiny_runtime_factory, drafter):
     """Temperature 1 on a vocab-8 model: the joint distribution of the first three tokens
@@ -394,7 +355,7 @@ def test_sampled_tokens_have_exactly_the_target_distribution_whatever_the_draft_
     leaves out 2 tokens entirely) matches the exact target distribution by chi-square."""
     runtime = tiny_runtime_factory(vocab_size=8, num_layers=1, embed_std=0.12, compute_dtype=torch.float32, seed=11)
     prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 3000, 3
-    exact = _exact_sequence_probs(runtime, prompt, num_tokens)
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
     first = {}
     for seq, p in exact.items():
         first[seq[:1]] = first.get(seq[:1], 0.0) + p
@@ -413,14 +374,14 @@ def test_sampled_tokens_have_exactly_the_target_distribution_whatever_the_draft_
         drafted, accepted = _totals(states)
         assert drafted >= 2 * num_samples and 0.1 * drafted < accepted < 0.9 * drafted
 
-    p_three = _chi_square_pvalue(samples, exact, num_samples)
+    p_three = chi_square_pvalue(samples, exact, num_samples)
     two = Counter()
     exact_two: dict[tuple[int, ...], float] = {}
     for seq, p in exact.items():
         exact_two[seq[:2]] = exact_two.get(seq[:2], 0.0) + p
     for seq, c in samples.items():
         two[seq[:2]] += c
-    p_two = _chi_square_pvalue(two, exact_two, num_samples)
+    p_two = chi_square_pvalue(two, exact_two, num_samples)
     print(f"\n{drafter}: chi-square p = {p_three:.3f} (first 3 tokens), {p_two:.3f} (first 2)")
     assert p_three > 1e-3 and p_two > 1e-3
     assert runtime.kv.reserved_tokens == 0

@@ -145,16 +145,15 @@ class DraftSample:
     sparse_probs: torch.Tensor | None = None  # [n, γ, width] fp32
 
     def proposal(self, row: int, *, num_tokens: int | None = None, confidences: torch.Tensor | None = None) -> DraftProposal:
-        """Row `row` (its first `num_tokens` drafts) in the engine's contract. A dense row becomes
-        a sparse one listing every vocabulary id. confidences: [γ] (calibrated), optional."""
+        """Row `row` (its first `num_tokens` drafts) in the engine's contract, dense or sparse as
+        sampled. confidences: [γ] (calibrated), optional."""
         k = self.tokens.shape[1] if num_tokens is None else num_tokens
-        if self.dense_probs is not None:
-            probs = self.dense_probs[row, :k]  # [k, V]
-            ids = torch.arange(probs.shape[-1]).expand(k, -1)
-        else:
-            ids, probs = self.sparse_ids[row, :k], self.sparse_probs[row, :k]
         conf = None if confidences is None else confidences[:k]
-        return DraftProposal(token_ids=self.tokens[row, :k], prob_ids=ids, probs=probs, confidences=conf)
+        if self.dense_probs is not None:
+            return DraftProposal(token_ids=self.tokens[row, :k], dense_probs=self.dense_probs[row, :k], confidences=conf)
+        return DraftProposal(
+            token_ids=self.tokens[row, :k], prob_ids=self.sparse_ids[row, :k], probs=self.sparse_probs[row, :k], confidences=conf
+        )
 
 
 def _sparsify(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

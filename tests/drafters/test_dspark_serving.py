@@ -1,0 +1,102 @@
+"""The DSpark drafter inside the speculative engine (tiny random target and drafter).
+
+Specification: greedy output equals plain decoding whatever the drafter's quality; sampled output
+has exactly the target's distribution with dense and with truncated (sparse) draft rows; the
+drafter's context-feature cache always covers exactly the verified positions; a seeded request
+is reproducible; the drafter must read the layers the runtime captures.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.sampling.params import SamplingParams
+from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: int = 4) -> DSparkServingDrafter:
+    torch.manual_seed(seed)
+    config = DSparkConfig.from_target(
+        runtime.config, block_size=block_size, markov_rank=8, num_layers=1, target_layer_ids=runtime.capture_layers
+    )
+    model = DSparkDrafter(config, shared=SharedWeights.from_target(runtime.model))
+    with torch.no_grad():  # a Markov head that actually moves the distribution (it starts at zero)
+        model.head.w2.normal_(0.0, 0.5)
+    return DSparkServingDrafter(model, top_k=top_k)
+
+
+def totals(states):
+    return sum(s.draft_tokens for s in states), sum(s.accepted_tokens for s in states)
+
+
+def test_greedy_output_with_the_dspark_drafter_equals_plain_decoding(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))]
+    plain = SpeculativeEngine(runtime, None).generate(
+        [GenerationRequest(f"p{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
+    spec = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4).generate(
+        [GenerationRequest(f"s{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
+    for a, b in zip(plain, spec):
+        assert a.output_ids == b.output_ids
+    drafted, _ = totals(spec)
+    assert drafted > 0  # the drafter really proposed tokens
+    assert runtime.kv.reserved_tokens == 0
+
+
+def test_the_context_cache_covers_exactly_the_verified_positions(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = make_serving_drafter(runtime)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4)
+    engine.add_request(GenerationRequest("a", [5, 6, 7, 8, 9], 30, GREEDY))
+    for _ in range(4):
+        engine.step()
+        state = engine.running["a"]
+        # KV holds prompt + output[:-1]; the drafter must hold features of the same positions
+        assert drafter.context_len("a") == runtime.context_len("a") == len(state.all_token_ids) - 1
+    engine.abort("a")
+    assert drafter.context_len("a") == 0
+
+
+@pytest.mark.parametrize("top_k", [0, 3], ids=["dense-rows", "sparse-top3-rows"])
+def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory, top_k):
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                                   capture_layers=(0, 1))
+    prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 3000, 3
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    drafter = make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=2)
+    states = engine.generate([
+        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
+    ])
+    drafted, accepted = totals(states)
+    assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
+    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
+    p_value = chi_square_pvalue(samples, exact, num_samples)
+    assert p_value > 1e-3, p_value
+
+
+def test_a_seeded_request_is_reproducible_alone_or_in_a_batch(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3), compute_dtype=torch.float32)
+    drafter = make_serving_drafter(runtime)
+    params = SamplingParams(temperature=1.0, seed=42)
+    alone = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4).generate(
+        [GenerationRequest("x", [5, 6, 7], 20, params)])[0].output_ids
+    again = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4).generate(
+        [GenerationRequest("x", [5, 6, 7], 20, params)])[0].output_ids
+    assert alone == again
+
+
+def test_the_drafter_must_read_the_layers_the_runtime_captures(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = make_serving_drafter(tiny_runtime_factory(capture_layers=(0, 2)))
+    with pytest.raises(ValueError, match="capture_layers"):
+        SpeculativeEngine(runtime, drafter)

@@ -1,0 +1,67 @@
+"""`dspark` command line: generate (plain, n-gram, DSpark drafters), profile, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dspark.cli import main
+
+PROMPT = "Write a Python function that returns the square of a number."
+
+
+def generate_json(capsys, *args: str) -> dict:
+    assert main(["generate", PROMPT, "--max-tokens", "24", "--temperature", "0", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_a_negative_temperature_is_refused_with_a_message(capsys):
+    assert main(["generate", "hi", "--temperature", "-1"]) == 2
+    assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_the_dspark_drafter_without_a_checkpoint_is_refused_with_a_message(capsys):
+    assert main(["generate", "hi", "--drafter", "dspark"]) == 2
+    assert "--drafter-path" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_json_reports_text_tokens_and_speculation_statistics(capsys, real_model_dir):
+    plain = generate_json(capsys, "--drafter", "none")
+    ngram = generate_json(capsys, "--drafter", "ngram")
+    for out in (plain, ngram):
+        assert {"text", "token_ids", "rounds", "mean_accepted_length"} <= out.keys()
+    assert plain["mean_accepted_length"] == 1.0 and plain["rounds"] == len(plain["token_ids"]) - 1
+    assert ngram["token_ids"] == plain["token_ids"] and ngram["text"] == plain["text"]
+
+
+@pytest.mark.slow
+def test_generate_with_a_dspark_checkpoint_at_temperature_0_equals_plain_decoding(capsys, tmp_path, real_model_dir):
+    from dspark.drafters.dspark.checkpoint import save_checkpoint
+    from dspark.drafters.dspark.config import DSparkConfig
+    from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+    from dspark.model.config import ModelConfig
+    from dspark.model.target_runtime import default_capture_layers
+    from dspark.model.transformer import Transformer
+
+    target_config = ModelConfig.from_dir(real_model_dir)
+    torch.manual_seed(0)
+    config = DSparkConfig.from_target(target_config, num_layers=1, markov_rank=16,
+                                      target_layer_ids=default_capture_layers(target_config.num_layers))
+    # an untrained drafter: its drafts are mostly rejected, which must not change a single token
+    shared = SharedWeights.from_target(Transformer.from_dir(real_model_dir))
+    save_checkpoint(tmp_path, drafter=DSparkDrafter(config, shared=shared))
+    plain = generate_json(capsys, "--drafter", "none")
+    dspark = generate_json(capsys, "--drafter", "dspark", "--drafter-path", str(tmp_path))
+    assert dspark["token_ids"] == plain["token_ids"]
+    assert dspark["draft_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_profile_prints_an_sps_table(capsys, real_model_dir):
+    assert main(["profile", "--max-batch", "4", "--repeats", "1", "--context-len", "16"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split() == ["B", "ms/step", "SPS", "tokens/s"]
+    assert [int(l.split()[0]) for l in lines[1:]] == [1, 2, 3, 4]
