@@ -1,6 +1,6 @@
-"""Scheduler service (issue #5): continuous batching and the prefix scheduler (Algorithm 1).
+"""Scheduler service (issue #5): continuous batching and the prefix scheduler behind gRPC.
 
-Today one process runs the loop: `dspark.engine.speculative.SpeculativeEngine` with a fixed
-number of draft tokens per round. The scheduling policies (Algorithm 1, its async variant,
-fixed:K, threshold:C) will be pure functions in the library, wrapped here by the gRPC service.
+The math already lives in the library: `dspark.scheduling` (Algorithm 1, its async variant and
+the baseline policies, pure functions) and `dspark.engine.speculative` (the round loop, which
+today drafts a fixed γ per round). This package will hold the gRPC servicer around them.
 """
