@@ -22,8 +22,12 @@ from common import median, print_table
 from dspark.profiling.sps import SPSProfile
 from dspark.scheduling.prefix_scheduler import schedule, schedule_async, schedule_full_search, schedule_reference
 
-# SmolLM2-135M, fp32 transformers forward of B tokens on this 2-core CPU (ARCHITECTURE.md).
-PROFILE = SPSProfile(batch_sizes=[1, 8, 16, 32, 64, 128, 256], step_seconds=[0.055, 0.079, 0.085, 0.114, 0.164, 0.290, 0.582])
+# Our runtime on SmolLM2-135M (bf16) on this 2-core CPU, from `python benchmarks/bench_forward.py`
+# (README); pass --profile-json with the output of `dspark profile --json` to use another one.
+PROFILE = SPSProfile(
+    batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+    step_seconds=[0.0271, 0.0303, 0.0319, 0.0393, 0.0560, 0.0928, 0.168, 0.312, 0.580],
+)
 REQUESTS = (1, 8, 32, 128, 512)
 GAMMAS = (7, 16)
 
@@ -49,14 +53,16 @@ def time_us(fn, runs: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200, help="timed runs per cell (the reference gets a tenth)")
+    parser.add_argument("--profile-json", default=None, help="an SPS profile from `dspark profile --json`")
     args = parser.parse_args()
+    profile = PROFILE if args.profile_json is None else SPSProfile.from_json(open(args.profile_json).read())
     rng = np.random.default_rng(0)
     rows = []
     for gamma in GAMMAS:
         for num_requests in REQUESTS:
             c = drafter_like_confidences(rng, num_requests, gamma)  # [R, γ]
             stale = drafter_like_confidences(rng, num_requests, gamma)  # [R, γ]
-            table = np.asarray(PROFILE.table(upto=num_requests * (1 + gamma)))  # [R·(1+γ)], converted once
+            table = np.asarray(profile.table(upto=num_requests * (1 + gamma)))  # [R·(1+γ)], converted once
             ell = schedule(confidences=c, sps_table=table)
             assert np.array_equal(ell, schedule_reference(confidences=c, sps_table=table))
             fast = time_us(lambda c=c, table=table: schedule(confidences=c, sps_table=table), args.runs)
