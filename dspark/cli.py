@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sps-max-batch", type=int, default=64, help="profile SPS(B) at start-up up to this B (0: skip)")
     _add_target_args(s)
     s.set_defaults(func=cmd_serve)
+    from dspark.data.cli import add_data_parser
+
+    add_data_parser(sub)
     return parser
 
 

@@ -5,8 +5,9 @@
 #   bash scripts/install.sh --test   # also the test dependencies
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras=""
-[[ "${1:-}" == "--test" ]] && extras="[test]"
+# Everything a checkout uses: serving, training data (data), plots (bench); --test adds pytest & co.
+extras="[data,bench]"
+[[ "${1:-}" == "--test" ]] && extras="[data,bench,test]"
 python3.11 -m venv .venv 2>/dev/null || python3 -m venv .venv
 . .venv/bin/activate
 pip install -q --upgrade pip
