@@ -131,8 +131,9 @@ def fit_sts(
     num_bins: int = DEFAULT_NUM_BINS,
 ) -> STSFit:
     """Left to right over k: the grid temperature minimising ECE(a_k, s_k) with T_<k fixed.
-    Ties go to the temperature closest to 1 (in log scale); T = 1 is in the default grid, so on
-    the fitting set no position's ECE ends up above the raw one."""
+    Ties go to the temperature closest to 1 (in log scale). T = 1 is in the default grid, so on
+    the fitting set position 1's ECE never ends up above the raw one; later positions are fitted
+    on top of the already calibrated a_{k-1}, so theirs can (and on tiny sets sometimes does)."""
     if confidence_logits.dim() != 2 or confidence_logits.shape != accepted.shape:
         raise ValueError(f"expected confidence_logits and accepted [n, γ], got {list(confidence_logits.shape)} and {list(accepted.shape)}")
     if valid is not None and valid.shape != accepted.shape:

@@ -1,4 +1,5 @@
-"""Drafter training: the DSpark objective (losses.py). Data pipeline and trainer come later."""
+"""Drafter training: the DSpark objective (losses.py), the target cache (target_cache.py),
+anchor sampling and batches (anchors.py), the trainer (trainer.py) and its CLI (cli.py)."""
 
 from dspark.training.losses import DSparkLoss, dspark_loss, target_probs_from_hidden
 
