@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
@@ -21,17 +20,9 @@ from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import TargetRuntime
 from dspark.model.transformer import Transformer
 from dspark.sampling.params import SamplingParams
+from tests.polling import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def wait_until(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 async def collect(engine: AsyncEngine, request: GenerationRequest):

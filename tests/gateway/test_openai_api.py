@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import time
 
 import httpx
 import pytest
@@ -16,25 +15,9 @@ from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.target_runtime import TargetRuntime
 from dspark.sampling.params import SamplingParams
 from gateway.app import TextStream, create_app, parse_sse
+from tests.polling import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def wait_until(cond, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
-async def collect(engine: AsyncEngine, request: GenerationRequest):
-    tokens, last = [], None
-    async for delta in engine.generate(request):
-        tokens += delta.new_token_ids
-        last = delta
-    return tokens, last
 
 
 # ---- TextStream: stable text, UTF-8 hold-back, stop strings across pushes -----------------
