@@ -139,10 +139,13 @@ class SplitKLinear(nn.Module):
         return F.linear(x, self.weight_chunks[i])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, in_features] fp32 -> [num_tokens, out_features] fp32
+        # x: [num_tokens, in_features] -> [num_tokens, out_features] in the compute dtype, or fp32
+        # when the reduction was split (its partials are summed in fp32) or there is a bias.
+        # Callers add the result into the fp32 residual stream, where type promotion upcasts it
+        # inside the add: no separate conversion pass over large activations.
         x = x.to(self.dtype)
         if len(self.weight_chunks) == 1:
-            y = self._matmul(x, 0).float()
+            y = self._matmul(x, 0)
         else:
             y = sum(
                 self._matmul(x[:, lo:hi].contiguous(), i).float()
@@ -178,22 +181,23 @@ class DecoderLayer(nn.Module):
         c = self.config
         n = x.shape[0]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        qkv = self.qkv_proj(h)  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(h)  # [num_tokens, q_size + 2 * kv_size], compute dtype
         qk = qkv[:, : c.q_size + c.kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
-        v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, c.q_size + c.kv_size :].view(n, c.num_kv_heads, c.head_dim)  # upcast when cached
         if c.qk_norm:
+            qk = qk.float()
             qk = torch.cat([rms_norm(qk[:, : c.num_heads], self.q_norm, c.rms_norm_eps),
                             rms_norm(qk[:, c.num_heads :], self.k_norm, c.rms_norm_eps)], dim=1)
-        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one pass
+        qk = apply_rope(qk, cos, sin)  # q and k heads rotated in one pass; fp32 out (cos, sin are fp32)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         attn = self._attend(q, k, v, layer_idx, meta)  # [num_tokens, q_size]
         x = x + self.o_proj(attn)
         h = rms_norm(x, self.post_attn_norm, c.rms_norm_eps)
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each, fp32
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)  # [num_tokens, intermediate] each, compute dtype
         return x + self.down_proj(F.silu(gate) * up)
 
     def _attend(self, q, k, v, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [num_tokens, heads, head_dim]; k, v: [num_tokens, kv_heads, head_dim] (fp32)
+        # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim] (cached as fp32)
         # A Python loop over requests: attention is the only op whose shape differs per request,
         # and per-request SDPA over the cache prefix wastes no FLOPs on padding.
         c = self.config
@@ -233,6 +237,9 @@ def _grouped_attention(
     q_len, heads, head_dim = q.shape
     kv_heads = keys.shape[0]
     group = heads // kv_heads
+    if q_len == 1:  # decode: the group's rows are already contiguous, views only (no copies)
+        o = F.scaled_dot_product_attention(q.view(1, kv_heads, group, head_dim), keys.unsqueeze(0), values.unsqueeze(0))
+        return o.view(1, heads, head_dim)
     rows = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * q_len, head_dim)
     if mask is not None:
         mask = mask.repeat(group, 1)  # [group * q_len, kv_len], row order (g, i) as in `rows`
