@@ -95,4 +95,7 @@ def profile_sps(
     finally:
         for rid in ids:
             runtime.free_request(rid)
-    return SPSProfile(batch_sizes=grid, step_seconds=times)
+    # A bigger batch is never faster per step; a noisy sample that says so (another process took
+    # the CPU for a moment) would mislead the scheduler, so step time is made non-decreasing.
+    monotone = [max(times[: i + 1]) for i in range(len(times))]
+    return SPSProfile(batch_sizes=grid, step_seconds=monotone)
