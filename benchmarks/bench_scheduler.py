@@ -26,7 +26,7 @@ from dspark.scheduling.prefix_scheduler import schedule, schedule_async, schedul
 # (README); pass --profile-json with the output of `dspark profile --json` to use another one.
 PROFILE = SPSProfile(
     batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-    step_seconds=[0.0271, 0.0303, 0.0319, 0.0393, 0.0560, 0.0928, 0.168, 0.312, 0.580],
+    step_seconds=[0.0271, 0.0303, 0.0319, 0.0393, 0.0560, 0.0928, 0.168, 0.312, 0.580],  # first run, see README
 )
 REQUESTS = (1, 8, 32, 128, 512)
 GAMMAS = (7, 16)
