@@ -35,6 +35,9 @@ def _add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=DRAFTERS, default="ngram")
     p.add_argument("--drafter-path", default=None, help="checkpoint directory of a trained drafter (dspark)")
     p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (block size)")
+    p.add_argument("--policy", default=None,
+                   help="draft tokens verified per request per round: none | fixed:K | threshold:C | dspark | dspark-async "
+                        "(default: all γ); dspark* profile SPS(B) first")
 
 
 def cmd_generate(args) -> int:
@@ -43,7 +46,9 @@ def cmd_generate(args) -> int:
     from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
     from dspark.model.target_runtime import TargetRuntime
     from dspark.model.tokenizer import Tokenizer
+    from dspark.profiling.sps import profile_sps
     from dspark.sampling.params import SamplingParams
+    from dspark.scheduling.policies import parse_policy
 
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -60,8 +65,15 @@ def cmd_generate(args) -> int:
     runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
     prompt_ids = tokenizer.encode(args.prompt) if args.no_chat_template else tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    engine = SpeculativeEngine(runtime, make_drafter(args.drafter, runtime=runtime, path=args.drafter_path),
-                               num_speculative_tokens=args.gamma)
+    try:
+        policy = parse_policy(args.policy) if args.policy else None
+        engine = SpeculativeEngine(runtime, make_drafter(args.drafter, runtime=runtime, path=args.drafter_path),
+                                   num_speculative_tokens=args.gamma, policy=policy)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if policy is not None and policy.spec.startswith("dspark"):
+        engine.sps_profile = profile_sps(runtime, max_batch=2 * (args.gamma + 1), tokens_per_request=args.gamma + 1)
     request = GenerationRequest("cli", prompt_ids, args.max_tokens, params, stop_token_ids=tokenizer.eos_token_ids)
     t0 = time.perf_counter()
     try:
@@ -115,7 +127,7 @@ def cmd_serve(args) -> int:
     from gateway.server import serve
 
     serve(host=args.host, port=args.port, target=_target_config(args), drafter=args.drafter, gamma=args.gamma,
-          drafter_path=args.drafter_path,
+          drafter_path=args.drafter_path, policy=args.policy,
           max_tokens_limit=args.max_tokens_limit, sps_max_batch=args.sps_max_batch)
     return 0
 

@@ -24,6 +24,7 @@ from dspark.model.model_store import DEFAULT_MODEL
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
 from dspark.profiling.sps import profile_sps
+from dspark.scheduling.policies import parse_policy
 from dspark.sampling.params import SamplingParams
 from gateway.app import create_app
 
@@ -49,12 +50,17 @@ def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
 def build_engine(
     target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7, sps_max_batch: int = 64,
     drafter_path: str | None = None,
+    policy: str | None = None,
 ) -> tuple[AsyncEngine, Tokenizer]:
     """Load, warm up, profile SPS(B) and start: an AsyncEngine ready for requests, and the
     target's tokenizer. `sps_max_batch=0` skips the profile (a few seconds on this CPU)."""
     runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
-    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path), num_speculative_tokens=gamma)
+    policy_obj = parse_policy(policy) if policy else None
+    if policy_obj is not None and policy_obj.spec.startswith("dspark") and sps_max_batch <= 0:
+        raise ValueError(f"policy {policy!r} needs the SPS(B) profile: set sps_max_batch > 0")
+    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path),
+                               num_speculative_tokens=gamma, policy=policy_obj)
     log.info("warm-up took %.2f s", warm_up(engine, tokenizer))
     if sps_max_batch > 0:
         t0 = time.perf_counter()
@@ -80,13 +86,14 @@ def serve(
     log_level: str = "info",
     sps_max_batch: int = 64,  # SPS(B) profile at start-up up to this batch; 0 skips it
     drafter_path: str | None = None,  # checkpoint directory of a trained drafter (dspark)
+    policy: str | None = None,  # parse_policy form; None = all γ drafts every round
 ) -> None:
     if drafter not in DRAFTERS:  # fail on a bad name before loading anything
         raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
     target = target or TargetConfig(model=model)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch,
-                                     drafter_path=drafter_path)
+                                     drafter_path=drafter_path, policy=policy)
     name = model_name or served_model_name(target.model)
     app = create_app(engine, tokenizer, model_name=name, max_tokens_limit=max_tokens_limit)
     log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d)", name, host, port, drafter, gamma)

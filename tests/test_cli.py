@@ -65,3 +65,16 @@ def test_profile_prints_an_sps_table(capsys, real_model_dir):
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split() == ["B", "ms/step", "SPS", "tokens/s"]
     assert [int(l.split()[0]) for l in lines[1:]] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_a_policy_needing_confidences_with_the_ngram_drafter_is_refused_with_a_message(capsys, real_model_dir):
+    assert main(["generate", "hi", "--drafter", "ngram", "--policy", "dspark", "--max-tokens", "4"]) == 2
+    assert "needs calibrated confidences" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_with_a_fixed_policy_equals_plain_decoding(capsys, real_model_dir):
+    plain = generate_json(capsys, "--drafter", "none")
+    fixed = generate_json(capsys, "--drafter", "ngram", "--policy", "fixed:2")
+    assert fixed["token_ids"] == plain["token_ids"] and fixed["draft_tokens"] <= 2 * fixed["rounds"]

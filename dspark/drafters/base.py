@@ -56,6 +56,15 @@ class DraftProposal:
     def __len__(self) -> int:
         return int(self.token_ids.shape[0])
 
+    def truncated(self, length: int) -> "DraftProposal":
+        """The first `length` drafts (a prefix keeps each token's row: still exactly what it was
+        sampled from)."""
+        if length >= len(self):
+            return self
+        cut = lambda t: None if t is None else t[:length]  # noqa: E731
+        return DraftProposal(token_ids=self.token_ids[:length], prob_ids=cut(self.prob_ids), probs=cut(self.probs),
+                             dense_probs=cut(self.dense_probs), confidences=cut(self.confidences))
+
     def dense(self, vocab_size: int) -> torch.Tensor:  # [num_draft, vocab] fp32
         if self.dense_probs is not None:
             return self.dense_probs
@@ -69,7 +78,8 @@ class Drafter(Protocol):
     """What the engine calls. A drafter that reads the target's hidden states (DSpark) also sets
     `needs_hidden_states = True` and implements `observe(request_id, features)`: the engine then
     captures the target's chosen layer outputs and hands over those of every newly verified
-    position ([num_new, num_capture_layers, hidden]), in order."""
+    position ([num_new, num_capture_layers, hidden]), in order. A drafter whose proposals carry
+    calibrated confidences sets `provides_confidences = True` (the dspark/threshold policies need them)."""
 
     name: str
 

@@ -8,7 +8,8 @@ Invariant of a round, for every running request:
           token (the corrected token at the first rejection, else the bonus token).
   after:  KV truncated to prompt + output[:-1] + [x_0, x_1..x_a]; output += [x_1..x_a, new].
 Exactness rests on the rejection sampler seeing the very p_d each draft was sampled from, and on
-ℓ being chosen before the drafts' realisations are seen (here: a fixed γ per round).
+ℓ never depending on the realisation of the token being admitted: a fixed γ, or a policy of
+`dspark.scheduling` (Algorithm 1's break; the async variant's two-rounds-old capacity).
 A request in its first round is prefilled: its whole prompt goes through the same forward and
 the first token is sampled from the last position (ℓ = 0).
 """
@@ -19,6 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dspark.drafters.base import DraftProposal, DraftRequest, Drafter, NoDrafter
@@ -26,6 +28,7 @@ from dspark.model.target_runtime import TargetRuntime
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs, RejectionBatch, draw_rejection_randoms, rejection_sample
 from dspark.sampling.params import SamplingParams
+from dspark.scheduling.policies import Policy
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class SpeculativeEngine:
         *,
         num_speculative_tokens: int = 7,
         sampler_backend: str = "auto",  # "torch" | "triton" | "auto" (Triton kernel when CUDA is present)
+        policy: Policy | None = None,  # how many drafts each request verifies; None = all of them (fixed:γ)
     ):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
@@ -98,6 +102,9 @@ class SpeculativeEngine:
         if sampler_backend == "auto":
             sampler_backend = "triton" if torch.cuda.is_available() else "torch"
         self.sampler_backend = sampler_backend
+        self.policy = policy
+        if policy is not None and policy.needs_confidences and not getattr(self.drafter, "provides_confidences", False):
+            raise ValueError(f"policy {policy.spec!r} needs calibrated confidences; drafter {self.drafter.name!r} gives none")
         self.running: dict[str, RequestState] = {}
         self.sps_profile: SPSProfile | None = None  # measured at server start-up; the prefix scheduler's input
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
@@ -152,6 +159,8 @@ class SpeculativeEngine:
     def _release(self, request_id: str) -> None:
         self.runtime.free_request(request_id)
         self.drafter.remove_request(request_id)
+        if self.policy is not None:
+            self.policy.remove_request(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -166,6 +175,9 @@ class SpeculativeEngine:
             return []
         decoding = [s for s in states if s.prefilled]
         proposals = self._propose(decoding)
+        if self.policy is not None and decoding:
+            lengths = self._draft_lengths(decoding, proposals)
+            proposals = [p.truncated(int(n)) for p, n in zip(proposals, lengths)]
         draft_of = {s.request.request_id: p for s, p in zip(decoding, proposals)}
 
         # Flatten: prefill requests send their prompt, decode requests [x_0, x_1..x_ℓ].
@@ -236,6 +248,24 @@ class SpeculativeEngine:
             if len(p) > req.max_draft_tokens:
                 raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
         return proposals
+
+    def _draft_lengths(self, decoding: list[RequestState], proposals: list[DraftProposal]) -> np.ndarray:
+        """ℓ_r per request from the policy (Algorithm 1 for `dspark`), which sees only the
+        drafts' calibrated confidences and the SPS profile, never the tokens."""
+        num = np.array([len(p) for p in proposals], dtype=np.int64)  # [R]
+        width = max(int(num.max(initial=0)), 1)
+        confidences = np.zeros((len(proposals), width))  # [R, γ], 0 where no draft
+        for r, p in enumerate(proposals):
+            if len(p) and p.confidences is not None:
+                confidences[r, : len(p)] = p.confidences.double().numpy()
+            elif len(p) and self.policy.needs_confidences:
+                raise RuntimeError(f"policy {self.policy.spec!r} needs confidences; drafter {self.drafter.name!r} gives none")
+        sps_table = None
+        if self.sps_profile is not None:
+            sps_table = np.asarray(self.sps_profile.table(upto=len(proposals) * (1 + width)))  # [B_max]
+        return self.policy.draft_lengths(
+            request_ids=[s.request.request_id for s in decoding], num_drafts=num, confidences=confidences, sps_table=sps_table
+        )
 
     def _rejection_batch(self, states, draft_of, num_drafts, logits) -> RejectionBatch:
         drafts = [draft_of[s.request.request_id] for s in states if s.prefilled and len(draft_of[s.request.request_id])]

@@ -32,6 +32,7 @@ from dspark.model.transformer import Transformer
 class DSparkServingDrafter:
     name = "dspark"
     needs_hidden_states = True  # the engine captures target layer outputs and calls observe()
+    provides_confidences = True  # STS-calibrated c_k with every proposal (the prefix scheduler's input)
 
     def __init__(
         self,

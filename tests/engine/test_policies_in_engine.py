@@ -1,0 +1,86 @@
+"""Draft-length policies inside the engine: every policy leaves the output exactly the target's.
+
+Greedy output equals plain decoding for none, fixed:K, threshold:C, dspark and dspark-async;
+the policies really change how many drafts are verified; at temperature 1 the dspark policy
+(Algorithm 1 with the break) keeps the sampled distribution exact (chi-square).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.profiling.sps import SPSProfile
+from dspark.sampling.params import SamplingParams
+from dspark.scheduling.policies import parse_policy
+from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
+from tests.drafters.test_dspark_serving import make_serving_drafter
+
+GREEDY = SamplingParams(temperature=0.0)
+# A verifier whose step time grows slowly with B: Algorithm 1 admits some drafts, not all.
+PROFILE = SPSProfile(batch_sizes=[1, 4, 8, 16, 64], step_seconds=[0.010, 0.011, 0.013, 0.020, 0.080])
+PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))]
+
+
+def run(runtime, drafter, policy, prompts, params=GREEDY, max_new_tokens=20):
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4, policy=policy)
+    engine.sps_profile = PROFILE
+    return engine.generate([GenerationRequest(f"r{i}", p, max_new_tokens, params) for i, p in enumerate(prompts)])
+
+
+@pytest.mark.parametrize("spec", ["none", "fixed:1", "fixed:3", "threshold:0.3", "dspark", "dspark-async"])
+def test_greedy_output_is_plain_decoding_whatever_the_policy(tiny_runtime_factory, spec):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    plain = run(runtime, None, None, PROMPTS)
+    spec_states = run(runtime, make_serving_drafter(runtime), parse_policy(spec), PROMPTS)
+    for a, b in zip(plain, spec_states):
+        assert a.output_ids == b.output_ids
+    assert runtime.kv.reserved_tokens == 0
+
+
+def test_policies_change_how_many_drafts_are_verified(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafted = {}
+    for spec in ["none", "fixed:1", "fixed:4"]:
+        states = run(runtime, make_serving_drafter(runtime), parse_policy(spec), PROMPTS)
+        drafted[spec] = sum(s.draft_tokens for s in states) / sum(s.rounds for s in states)
+    # (the last round of a request may have fewer drafts: it must not pass max_new_tokens)
+    assert drafted["none"] == 0 and 0.8 < drafted["fixed:1"] <= 1 and drafted["fixed:4"] > 2
+
+
+def test_the_dspark_policy_needs_an_sps_profile(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4, policy=parse_policy("dspark"))
+    engine.add_request(GenerationRequest("a", [5, 6, 7], 10, GREEDY))
+    engine.step()  # prefill: no drafts yet
+    with pytest.raises(ValueError, match="SPS"):
+        engine.step()
+
+
+def test_sampled_tokens_keep_the_target_distribution_under_algorithm_1(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                                   capture_layers=(0, 1))
+    prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 3000, 3
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    drafter = make_serving_drafter(runtime, seed=2, block_size=2)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=2, policy=parse_policy("dspark"))
+    # All samples run as one batch of 3000 requests: a step time that grows slowly with B makes
+    # Algorithm 1 admit only drafts with a high survival probability (about a > 0.2 here).
+    engine.sps_profile = SPSProfile(batch_sizes=[1, 10_000], step_seconds=[0.010, 0.020])
+    states = engine.generate([
+        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
+    ])
+    drafted = sum(s.draft_tokens for s in states)
+    assert 0 < drafted < 2 * sum(s.rounds for s in states)  # Algorithm 1 admitted some drafts, not all
+    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
+    assert chi_square_pvalue(samples, exact, num_samples) > 1e-3
+
+
+def test_a_policy_that_needs_confidences_refuses_a_drafter_without_them(tiny_runtime):
+    from dspark.drafters.ngram import NgramDrafter
+
+    with pytest.raises(ValueError, match="confidences"):
+        SpeculativeEngine(tiny_runtime, NgramDrafter(), policy=parse_policy("dspark"))
