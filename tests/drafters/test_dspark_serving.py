@@ -100,3 +100,33 @@ def test_the_drafter_must_read_the_layers_the_runtime_captures(tiny_runtime_fact
     drafter = make_serving_drafter(tiny_runtime_factory(capture_layers=(0, 2)))
     with pytest.raises(ValueError, match="capture_layers"):
         SpeculativeEngine(runtime, drafter)
+
+
+def test_cached_context_keys_values_give_the_same_drafts_as_recomputing_the_context(tiny_runtime_factory):
+    """observe() projects each verified position once; a full encode over the raw features must
+    give the same backbone output (up to fp32 rounding) and, greedily, the same draft tokens."""
+    from dspark.drafters.base import DraftRequest
+    from dspark.drafters.dspark.model import BlockBatch, DraftBlock
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3), compute_dtype=torch.float32)
+    drafter = make_serving_drafter(runtime, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    features = {rid: torch.randn(n, 2, runtime.config.hidden_size, generator=gen) for rid, n in [("a", 9), ("b", 14)]}
+    for rid, f in features.items():  # in uneven pieces, as rounds verify different numbers of tokens
+        for lo, hi in [(0, 5), (5, 6), (6, len(f))]:
+            drafter.observe(rid, f[lo:hi])
+    tokens = {rid: list(range(3, 3 + len(f) + 1)) for rid, f in features.items()}  # anchor at position len(f)
+    reqs = [DraftRequest(rid, tokens[rid], 2, GREEDY, 4, torch.Generator()) for rid in features]
+    proposals = drafter.propose(reqs)
+
+    for req, proposal in zip(reqs, proposals):
+        f = features[req.request_id]
+        block = DraftBlock(context=f, anchor_position=len(f), anchor_token=req.token_ids[-1])
+        full = drafter.model.encode(BlockBatch.from_blocks([block]))[:, 0]  # [1, γ, hidden]
+        cached = drafter.model.encode_with_context_kv(
+            anchor_positions=torch.tensor([[len(f)]]), anchor_tokens=torch.tensor([[req.token_ids[-1]]]),
+            context_kv=drafter._batched_context_kv([req.request_id], [len(f)]),
+        )[:, 0]
+        torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
+        expected = drafter.model.draft(BlockBatch.from_blocks([block]), temperature=0.0).tokens[0]  # [γ]
+        assert proposal.token_ids.tolist() == expected.tolist()  # the padded two-request batch drafts the same

@@ -201,29 +201,36 @@ class DraftLayer(nn.Module):
         # x: [..., heads, head_dim]; per-head RMSNorm when the target uses qk-norm (Qwen3)
         return rms_norm(x, getattr(self, weight_name), self.config.rms_norm_eps) if self.config.qk_norm else x
 
+    def context_kv(
+        self,
+        context: torch.Tensor,  # [rows, L, hidden] H_ctx
+        context_rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [L, 1, head_dim] at the context's positions
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # keys, values [rows, L, kv_heads, head_dim]
+        """The context's keys/values in this layer: the same W_K, W_V, k-norm and RoPE as block
+        keys (no W_Q: the context never queries). Position-wise, so serving caches them."""
+        c = self.config
+        rows, ctx_len, _ = context.shape
+        k_ctx, v_ctx = F.linear(context, self.qkv_proj.weight[c.q_size :]).split([c.kv_size, c.kv_size], dim=-1)
+        k_ctx = self._norm_heads(k_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim), "k_norm")
+        return apply_rope(k_ctx, *context_rope), v_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim)
+
     def forward(
         self,
         x: torch.Tensor,  # [rows, Q, hidden] block residual stream (Q = blocks_per_row * γ)
-        context: torch.Tensor,  # [rows, L, hidden] H_ctx
+        context_kv: tuple[torch.Tensor, torch.Tensor],  # keys, values [rows, L, kv_heads, head_dim] (context_kv())
         block_rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [rows, Q, 1, head_dim]
-        context_rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [L, 1, head_dim]
         mask: torch.Tensor,  # [rows, 1, Q, L + Q] bool
     ) -> torch.Tensor:  # [rows, Q, hidden]
         c = self.config
         rows, q_len, _ = x.shape
-        ctx_len = context.shape[1]
         h = rms_norm(x, self.input_norm, c.rms_norm_eps)
         q, k, v = self.qkv_proj(h).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        # context keys/values through the same W_K, W_V (no W_Q: the context never queries)
-        k_ctx, v_ctx = F.linear(context, self.qkv_proj.weight[c.q_size :]).split([c.kv_size, c.kv_size], dim=-1)
         q = self._norm_heads(q.view(rows, q_len, c.num_heads, c.head_dim), "q_norm")
         k = self._norm_heads(k.view(rows, q_len, c.num_kv_heads, c.head_dim), "k_norm")
-        k_ctx = self._norm_heads(k_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim), "k_norm")
         q, k = apply_rope(q, *block_rope), apply_rope(k, *block_rope)
-        k_ctx = apply_rope(k_ctx, *context_rope)
+        k_ctx, v_ctx = context_kv
         keys = torch.cat([k_ctx, k], dim=1)  # [rows, L + Q, kv_heads, head_dim]: context first, then block
-        values = torch.cat([v_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim),
-                            v.view(rows, q_len, c.num_kv_heads, c.head_dim)], dim=1)
+        values = torch.cat([v_ctx, v.view(rows, q_len, c.num_kv_heads, c.head_dim)], dim=1)
         group = c.num_heads // c.num_kv_heads  # query head h reads KV head h // group (as HF's repeat_kv)
         keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [rows, heads, L + Q, head_dim]
         values = values.repeat_interleave(group, dim=2).transpose(1, 2)
@@ -289,17 +296,44 @@ class DSparkDrafter(nn.Module):
 
         block_embeddings: [rows, blocks_per_row, γ, hidden] to override the block input (tests)."""
         self._check_batch(batch)
-        c = self.config
-        rows, num_blocks = batch.anchor_positions.shape
         ctx_len = batch.context.shape[1]
-        x = self.block_embeddings(batch.anchor_tokens) if block_embeddings is None else block_embeddings
+        kv = self.context_kv(batch.context, positions=torch.arange(ctx_len, device=batch.context.device))
+        return self.encode_with_context_kv(
+            anchor_positions=batch.anchor_positions, anchor_tokens=batch.anchor_tokens, context_kv=kv,
+            block_embeddings=block_embeddings,
+        )
+
+    def context_kv(
+        self,
+        context: torch.Tensor,  # [rows, L, m, hidden] target layer outputs
+        *,
+        positions: torch.Tensor,  # [L] int64 absolute positions of the context rows
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:  # per draft layer: keys, values [rows, L, kv_heads, head_dim]
+        """Every layer's context keys/values (KV injection). Each context position's entries depend
+        on that position alone, so serving computes them once per verified token and caches them."""
+        features = self.context_features(context)  # [rows, L, hidden]
+        rope = _rope_cos_sin(positions, self.inv_freq)
+        return [layer.context_kv(features, rope) for layer in self.layers]
+
+    def encode_with_context_kv(
+        self,
+        *,
+        anchor_positions: torch.Tensor,  # [rows, blocks_per_row] int64
+        anchor_tokens: torch.Tensor,  # [rows, blocks_per_row] int64
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [rows, L, kv_heads, head_dim] x 2
+        block_embeddings: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [rows, blocks_per_row, γ, hidden]
+        """The backbone from precomputed context keys/values; context positions >= an anchor are
+        masked (leakage rule), so rows may be padded to a common L with anything."""
+        c = self.config
+        rows, num_blocks = anchor_positions.shape
+        ctx_len = context_kv[0][0].shape[1]
+        x = self.block_embeddings(anchor_tokens) if block_embeddings is None else block_embeddings
         x = x.reshape(rows, num_blocks * c.block_size, c.hidden_size)  # [rows, Q, hidden]
-        context = self.context_features(batch.context)  # [rows, L, hidden]
-        block_rope = _rope_cos_sin(block_positions(batch.anchor_positions, c.block_size).flatten(1), self.inv_freq)
-        context_rope = _rope_cos_sin(torch.arange(ctx_len, device=x.device), self.inv_freq)
-        mask = block_attention_mask(batch.anchor_positions, context_len=ctx_len, block_size=c.block_size).unsqueeze(1)
-        for layer in self.layers:
-            x = layer(x, context, block_rope, context_rope, mask)
+        block_rope = _rope_cos_sin(block_positions(anchor_positions, c.block_size).flatten(1), self.inv_freq)
+        mask = block_attention_mask(anchor_positions, context_len=ctx_len, block_size=c.block_size).unsqueeze(1)
+        for layer, kv in zip(self.layers, context_kv):
+            x = layer(x, kv, block_rope, mask)
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return x.view(rows, num_blocks, c.block_size, c.hidden_size)
 

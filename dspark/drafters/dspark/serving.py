@@ -1,18 +1,16 @@
 """The DSpark drafter behind the engine's `Drafter` contract (serving mode).
 
-Per request it keeps a context-feature cache: the target's captured layer outputs for every
-position the target has verified (prompt + accepted tokens). The engine appends to it after
-each forward (`observe`), so at a round's start the cache holds positions 0..t-1 and the anchor
-x_0 sits at position t: exactly the leakage rule the drafter was trained under.
+Per request it keeps a context cache: every draft layer's keys/values of the context features
+of each position the target has verified (prompt + accepted tokens), projected once when the
+engine hands them over after a forward (`observe`). At a round's start the cache holds
+positions 0..t-1 and the anchor x_0 sits at position t: exactly the leakage rule the drafter was
+trained under.
 
 A round: one parallel backbone forward over all requests' blocks, then the sequential head
 samples each request's x_1..x_γ left to right with that request's own generator (so a seeded
 request reproduces whatever else is in the batch), at the request's temperature (greedy
 requests get a point mass on the argmax). Proposals carry the exact rows sampled from and the
 STS-calibrated conditional confidences c_k = σ(l_k / T_k).
-
-The cache holds raw target features; the projected per-layer context K/V are recomputed each
-round (a cache of those is the next optimisation).
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from dspark.calibration.sts import apply_temperatures
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint
 from dspark.drafters.dspark.heads import sample_sequential
-from dspark.drafters.dspark.model import BlockBatch, DraftBlock, DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
 from dspark.model.transformer import Transformer
 
 
@@ -49,7 +47,8 @@ class DSparkServingDrafter:
         self.top_k, self.top_p = top_k, top_p
         self.block_size = model.config.block_size
         self.capture_layers = tuple(model.config.target_layer_ids)
-        self._features: dict[str, torch.Tensor] = {}  # request -> [capacity, m, hidden]
+        # request -> per draft layer (keys, values) [capacity, kv_heads, head_dim] of its verified positions
+        self._kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lengths: dict[str, int] = {}
 
     @classmethod
@@ -60,28 +59,52 @@ class DSparkServingDrafter:
         # matmul for γ rows here, and it is the same weight.
         return cls(ckpt.drafter, temperatures=ckpt.temperatures, top_k=top_k, top_p=top_p, logits_fn=target.compute_logits)
 
-    # ---- the context-feature cache ---------------------------------------------------------
+    # ---- the context cache -----------------------------------------------------------------
 
+    @torch.no_grad()
     def observe(self, request_id: str, features: torch.Tensor) -> None:
-        """Append the target's captured layer outputs of newly verified positions.
-        features: [num_new, m, hidden], in position order."""
+        """Project the target's captured layer outputs of newly verified positions into every
+        draft layer's context keys/values and append them. features: [num_new, m, hidden]."""
         n = features.shape[0]
         length = self._lengths.get(request_id, 0)
-        buf = self._features.get(request_id)
-        if buf is None or length + n > buf.shape[0]:
-            grown = torch.empty(max(2 * (length + n), 64), *features.shape[1:], dtype=torch.float32)
-            if buf is not None:
-                grown[:length] = buf[:length]
-            self._features[request_id] = buf = grown
-        buf[length : length + n] = features
+        positions = torch.arange(length, length + n)
+        new_kv = self.model.context_kv(features.unsqueeze(0).float(), positions=positions)  # per layer [1, n, kvh, d] x 2
+        bufs = self._kv.get(request_id)
+        if bufs is None or length + n > bufs[0][0].shape[0]:
+            capacity = max(2 * (length + n), 64)
+            grown = [tuple(torch.empty(capacity, *k.shape[2:]) for _ in range(2)) for k, _ in new_kv]
+            if bufs is not None:
+                for (gk, gv), (k, v) in zip(grown, bufs):
+                    gk[:length], gv[:length] = k[:length], v[:length]
+            self._kv[request_id] = bufs = grown
+        for (k_buf, v_buf), (k, v) in zip(bufs, new_kv):
+            k_buf[length : length + n] = k[0]
+            v_buf[length : length + n] = v[0]
         self._lengths[request_id] = length + n
 
     def remove_request(self, request_id: str) -> None:
-        self._features.pop(request_id, None)
+        self._kv.pop(request_id, None)
         self._lengths.pop(request_id, None)
 
     def context_len(self, request_id: str) -> int:
         return self._lengths.get(request_id, 0)
+
+    def _batched_context_kv(self, request_ids: list[str], lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        # per layer: [rows, max_len, kv_heads, head_dim] x 2; rows padded with zeros past their own
+        # length, which the leakage mask hides (every key at or after a row's anchor is masked)
+        if len(request_ids) == 1:
+            return [(k[: lengths[0]].unsqueeze(0), v[: lengths[0]].unsqueeze(0)) for k, v in self._kv[request_ids[0]]]
+        longest = max(lengths)
+        out = []
+        for layer in range(len(self.model.layers)):
+            k0 = self._kv[request_ids[0]][layer][0]
+            keys = torch.zeros(len(request_ids), longest, *k0.shape[1:])
+            values = torch.zeros_like(keys)
+            for row, (rid, n) in enumerate(zip(request_ids, lengths)):
+                k, v = self._kv[rid][layer]
+                keys[row, :n], values[row, :n] = k[:n], v[:n]
+            out.append((keys, values))
+        return out
 
     # ---- one round -------------------------------------------------------------------------
 
@@ -91,7 +114,7 @@ class DSparkServingDrafter:
         active = [i for i, r in enumerate(requests) if r.max_draft_tokens > 0]
         if not active:
             return out
-        blocks = []
+        anchors = []
         for i in active:
             req = requests[i]
             t = len(req.token_ids) - 1  # the anchor's position
@@ -100,9 +123,13 @@ class DSparkServingDrafter:
                     f"request {req.request_id!r}: the drafter has features of {self._lengths.get(req.request_id, 0)} "
                     f"positions, the anchor sits at {t}; the engine must observe() every verified position"
                 )
-            ctx = self._features[req.request_id][:t]  # [t, m, hidden]
-            blocks.append(DraftBlock(context=ctx, anchor_position=t, anchor_token=req.token_ids[-1]))
-        hidden = self.model.encode(BlockBatch.from_blocks(blocks))[:, 0]  # [n, γ, hidden]
+            anchors.append(t)
+        ids = [requests[i].request_id for i in active]
+        hidden = self.model.encode_with_context_kv(
+            anchor_positions=torch.tensor(anchors).unsqueeze(1),  # [n, 1]
+            anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active]).unsqueeze(1),  # [n, 1]
+            context_kv=self._batched_context_kv(ids, anchors),
+        )[:, 0]  # [n, γ, hidden]
         if self.logits_fn is not None:
             base_logits = self.logits_fn(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)  # [n, γ, V]
         else:
