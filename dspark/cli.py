@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if policy is not None and policy.spec.startswith("dspark"):
+    if policy is not None and policy.needs_sps_profile:
         engine.sps_profile = profile_sps(runtime, max_batch=2 * (args.gamma + 1), tokens_per_request=args.gamma + 1)
     request = GenerationRequest("cli", prompt_ids, args.max_tokens, params, stop_token_ids=tokenizer.eos_token_ids)
     t0 = time.perf_counter()

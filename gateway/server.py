@@ -57,7 +57,7 @@ def build_engine(
     runtime = TargetRuntime.load(target)
     tokenizer = Tokenizer(runtime.model_dir)
     policy_obj = parse_policy(policy) if policy else None
-    if policy_obj is not None and policy_obj.spec.startswith("dspark") and sps_max_batch <= 0:
+    if policy_obj is not None and policy_obj.needs_sps_profile and sps_max_batch <= 0:
         raise ValueError(f"policy {policy!r} needs the SPS(B) profile: set sps_max_batch > 0")
     engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path),
                                num_speculative_tokens=gamma, policy=policy_obj)

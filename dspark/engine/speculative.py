@@ -16,7 +16,6 @@ the first token is sampled from the last position (ℓ = 0).
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -262,7 +261,7 @@ class SpeculativeEngine:
                 raise RuntimeError(f"policy {self.policy.spec!r} needs confidences; drafter {self.drafter.name!r} gives none")
         sps_table = None
         if self.sps_profile is not None:
-            sps_table = np.asarray(self.sps_profile.table(upto=len(proposals) * (1 + width)))  # [B_max]
+            sps_table = self.sps_profile.table(upto=len(proposals) * (1 + width))  # [B_max]
         return self.policy.draft_lengths(
             request_ids=[s.request.request_id for s in decoding], num_drafts=num, confidences=confidences, sps_table=sps_table
         )
@@ -323,9 +322,3 @@ class SpeculativeEngine:
             self.step()
         return states
 
-
-_ids = itertools.count()
-
-
-def new_request_id(prefix: str = "req") -> str:
-    return f"{prefix}-{next(_ids)}-{time.time_ns() % 10**9}"

@@ -13,6 +13,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from dspark.model.target_runtime import TargetRuntime
@@ -43,10 +44,15 @@ class SPSProfile:
     def sps(self, batch_size: int) -> float:
         return 1.0 / self.step_time(batch_size)
 
-    def table(self, upto: int | None = None) -> list[float]:
-        """SPS for B = 1..upto (index B-1), what the vectorised scheduler looks up."""
+    def table(self, upto: int | None = None) -> np.ndarray:  # [upto] SPS at index B-1
+        """SPS for B = 1..upto, what the vectorised scheduler looks up: the same interpolation as
+        `step_time`, vectorised (the engine asks for it every round)."""
         upto = upto or self.batch_sizes[-1]
-        return [self.sps(b) for b in range(1, upto + 1)]
+        b = np.arange(1, upto + 1, dtype=np.float64)  # [upto]
+        last_b, last_t = self.batch_sizes[-1], self.step_seconds[-1]
+        t = np.interp(b, self.batch_sizes, self.step_seconds)  # clamps to the first point below it
+        t = np.where(b >= last_b, last_t * b / last_b, t)
+        return 1.0 / t
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -38,6 +38,7 @@ POLICY_FORMS = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 class Policy(Protocol):
     spec: str  # the string `parse_policy` reads back into an equal policy, e.g. "fixed:3"
     needs_confidences: bool  # True: draft_lengths raises without calibrated confidences
+    needs_sps_profile: bool  # True: draft_lengths raises without the verifier's SPS table
 
     def draft_lengths(
         self,
@@ -79,6 +80,7 @@ class NonePolicy:
 
     spec: str = "none"
     needs_confidences: bool = False
+    needs_sps_profile: bool = False
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
         return np.zeros(len(_num_drafts(request_ids, num_drafts)), dtype=np.int64)  # [R]
@@ -94,6 +96,7 @@ class FixedPolicy:
 
     k: int
     needs_confidences: bool = False
+    needs_sps_profile: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -124,6 +127,7 @@ class ThresholdPolicy:
 
     threshold: float
     needs_confidences: bool = True
+    needs_sps_profile: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:  # also rejects NaN
@@ -151,6 +155,7 @@ class DSparkPolicy:
 
     spec: str = "dspark"
     needs_confidences: bool = True
+    needs_sps_profile: bool = True
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
         n = _num_drafts(request_ids, num_drafts)
@@ -175,6 +180,7 @@ class DSparkAsyncPolicy:
 
     spec: str = "dspark-async"
     needs_confidences: bool = True
+    needs_sps_profile: bool = True
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
 
