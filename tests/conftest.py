@@ -134,7 +134,7 @@ def load_real_runtime(real_model_dir):
     """
     cache: dict[str, TargetRuntime] = {}
 
-    def load(dtype: str = "bfloat16") -> TargetRuntime:
+    def load(dtype: str = "auto") -> TargetRuntime:
         if dtype not in cache:
             cache[dtype] = TargetRuntime.load(TargetConfig(model=str(real_model_dir), dtype=dtype))
         return cache[dtype]
@@ -144,8 +144,8 @@ def load_real_runtime(real_model_dir):
 
 @pytest.fixture(scope="session")
 def real_runtime(load_real_runtime) -> TargetRuntime:
-    """The default model with bf16 linear layers (the serving configuration)."""
-    return load_real_runtime("bfloat16")
+    """The default model as served: dtype "auto" (bf16 linear layers where the CPU has native bf16, else fp32)."""
+    return load_real_runtime("auto")
 
 
 @pytest.fixture(scope="session")

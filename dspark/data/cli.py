@@ -119,7 +119,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="regenerate responses with the target -> DIR/responses.jsonl (resumable)")
     g.add_argument("--data-dir", required=True)
     g.add_argument("--model", default=DEFAULT_MODEL, help="default model name or a local HF Llama/Qwen directory")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     g.add_argument("--kv-budget-mb", type=int, default=4096)
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--max-new-tokens", type=int, default=256)
