@@ -432,3 +432,26 @@ def test_checkpoint_load_rejects_a_target_with_another_hidden_size(target, tmp_p
 def test_checkpoint_rejects_temperatures_of_the_wrong_length(target, tmp_path):
     with pytest.raises(ValueError, match="expected 4 positive temperatures"):
         save_checkpoint(tmp_path, drafter=make_drafter(target), temperatures=torch.ones(3))
+
+
+def test_bf16_export_halves_the_file_and_drafts_like_the_bf16_rounded_drafter(target, tmp_path):
+    from dspark.drafters.dspark.checkpoint import export_checkpoint
+
+    drafter = make_drafter(target)
+    temperatures = torch.tensor([1.5, 2.0, 0.75, 1.0])
+    save_checkpoint(tmp_path / "fp32", drafter=drafter, temperatures=temperatures)
+    shared = SharedWeights.from_target(target)
+    export_checkpoint(tmp_path / "fp32", tmp_path / "bf16", storage_dtype="bfloat16", shared=shared)
+    full, half = (tmp_path / d / "model.safetensors" for d in ("fp32", "bf16"))
+    assert half.stat().st_size < 0.55 * full.stat().st_size
+    loaded = load_checkpoint(tmp_path / "bf16", shared=shared)
+    assert torch.equal(loaded.temperatures, temperatures)
+    with torch.no_grad():  # the reference: the same drafter with every weight rounded to bf16
+        for p in drafter.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    batch = sample_batch()
+    a = drafter.draft(batch, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    b = loaded.drafter.draft(batch, temperature=1.0, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.dense_probs, b.dense_probs)
+    with pytest.raises(ValueError, match="storage_dtype must be one of"):
+        save_checkpoint(tmp_path / "x", drafter=drafter, storage_dtype="int8")

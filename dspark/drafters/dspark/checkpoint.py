@@ -38,10 +38,21 @@ class DrafterCheckpoint:
     temperatures: torch.Tensor | None  # [γ] fp32 STS temperatures, None if not calibrated
 
 
-def save_checkpoint(directory: str | Path, *, drafter: DSparkDrafter, temperatures: torch.Tensor | None = None) -> Path:
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def save_checkpoint(directory: str | Path, *, drafter: DSparkDrafter, temperatures: torch.Tensor | None = None,
+                    storage_dtype: str = "float32") -> Path:
+    """Write the drafter. `storage_dtype` "bfloat16" halves the file (what the committed default
+    drafter uses to fit the size limit); loading upcasts into the fp32 parameters, so a bf16
+    checkpoint drafts exactly like an fp32 drafter whose weights are the bf16-rounded values."""
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {name: t.detach().cpu().contiguous() for name, t in drafter.state_dict().items()}
+    dtype = STORAGE_DTYPES[storage_dtype]
+    state = {name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
+             for name, t in drafter.state_dict().items()}
     save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
     (directory / CONFIG_FILE).write_text(drafter.config.to_json())
     if temperatures is not None:
@@ -90,8 +101,14 @@ def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str
     problems += [f"{n}: shape {got[n]}, config implies {expected[n]}" for n in sorted(expected.keys() & got.keys()) if got[n] != expected[n]]
     if problems:
         raise ValueError(f"{directory}: weights do not match {CONFIG_FILE}: " + "; ".join(problems))
-    drafter.load_state_dict(state)
+    drafter.load_state_dict(state)  # copy_ upcasts a bf16 / fp16 checkpoint into the fp32 parameters
     return DrafterCheckpoint(drafter=drafter.to(device), temperatures=load_temperatures(directory, block_size=config.block_size))
 
 
-__all__ = ["DrafterCheckpoint", "load_checkpoint", "load_temperatures", "save_checkpoint", "save_temperatures"]
+def export_checkpoint(src: str | Path, dst: str | Path, *, storage_dtype: str = "bfloat16", shared: SharedWeights) -> Path:
+    """Copy a checkpoint (weights re-stored as `storage_dtype`, config, STS temperatures if any)."""
+    ckpt = load_checkpoint(src, shared=shared)
+    return save_checkpoint(dst, drafter=ckpt.drafter, temperatures=ckpt.temperatures, storage_dtype=storage_dtype)
+
+
+__all__ = ["DrafterCheckpoint", "STORAGE_DTYPES", "export_checkpoint", "load_checkpoint", "load_temperatures", "save_checkpoint", "save_temperatures"]
