@@ -144,11 +144,11 @@ class AsyncEngine:
 
     @property
     def runtime(self):
-        return self.engine.runtime
+        return self.engine.runtime  # None when the verifier is remote
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.runtime.max_model_len  # fixed at load: safe to read from any thread
+        return self.engine.max_model_len  # fixed at load: safe to read from any thread
 
     @property
     def is_running(self) -> bool:
@@ -328,7 +328,10 @@ class AsyncEngine:
         except Exception:
             log.exception("aborting request %r failed", rid)
             self.engine.running.pop(rid, None)
-            self.engine.runtime.free_request(rid)
+            try:  # the verifier may be remote and unreachable: its KV is then its own to reclaim
+                self.engine.verifier.remove_request([rid])
+            except Exception:
+                log.exception("freeing request %r on the verifier failed", rid)
 
     def _forget(self, handle: _Handle) -> None:
         rid = handle.request.request_id

@@ -8,22 +8,22 @@ fp32, doubles where it holds Python floats). Wire encoding of tensors (protos/RE
     flattened row-major, their shape given by sibling fields (k, vocab_size, num_draft_tokens);
   * hidden states: `Tensor` = raw little-endian bytes + dtype (fp32/fp16/bf16) + shape.
 
-Two contracts had no dataclass yet and are defined here: `VerifyBatch` (the draft side of a
-`RejectionBatch`: what the scheduler sends a verifier) and `VerifyResult` (a `RejectionResult`
-plus the captured hidden states). Conversion does not validate: run dspark.protos.validate on
-incoming messages first (from_proto on an invalid message may raise anything).
+`VerifyBatch` (the draft side of a `RejectionBatch`: what the scheduler sends a verifier) and
+`VerifyResult` (a `RejectionResult` plus the captured hidden states) live beside the Verifier
+contract in dspark.engine.verifier and are re-exported here. Conversion does not validate: run
+dspark.protos.validate on incoming messages first (from_proto on an invalid message may raise anything).
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.engine.speculative import GenerationRequest, StepOutput
+from dspark.engine.verifier import VerifyBatch, VerifyResult
 from dspark.profiling.sps import SPSProfile
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from dspark.sampling.params import SamplingParams
@@ -45,39 +45,6 @@ _FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 _FINISH_NAMES = {v: k for k, v in _FINISH_REASONS.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Contracts that had no dataclass yet
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class VerifyBatch:
-    """One verification round as the scheduler sends it (the draft side of a RejectionBatch).
-
-    Request r owns draft tokens [cu_r, cu_r + l_r), cu_r = sum of l_j for j < r, exactly as in
-    RejectionBatch; the verifier adds target logits and random numbers to build one.
-    """
-
-    round_id: int
-    request_ids: list[str]  # [num_requests]
-    anchor_token_ids: torch.Tensor  # [num_requests] int64 x_0; -1 = first round (prefill, no drafts)
-    num_draft_tokens: torch.Tensor  # [num_requests] int64, l_r >= 0
-    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64
-    draft_probs: DraftProbs | None  # [num_draft_tokens] rows; None only if no request has drafts
-    capture_hidden_states: bool = False
-
-
-@dataclass
-class VerifyResult:
-    """A verification round's outcome: the RejectionResult plus the verified positions' features."""
-
-    round_id: int
-    request_ids: list[str]  # [num_requests]
-    result: RejectionResult
-    hidden_states: torch.Tensor | None = None  # [sum n_r, num_capture_layers, hidden]
-    num_hidden_positions: torch.Tensor | None = None  # [num_requests] int64 n_r, None iff hidden_states is
 
 
 # ---------------------------------------------------------------------------------------------

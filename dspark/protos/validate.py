@@ -221,6 +221,18 @@ def append_features(msg: drafter_pb2.AppendFeaturesRequest, *, num_capture_layer
     _unique_ids([r.request_id for r in msg.requests], "requests.request_id")
 
 
+def drafter_info(msg: drafter_pb2.DrafterInfo) -> None:
+    _check(len(msg.name) > 0, "name", "must be a non-empty drafter name")
+    _check(msg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {msg.vocab_size}")
+    bad = [layer for layer in msg.capture_layers if layer < 0]
+    _check(not bad, "capture_layers", f"layer indices must be >= 0, got {_preview(list(msg.capture_layers))}")
+    if msg.needs_hidden_states:
+        _check(len(msg.capture_layers) > 0, "capture_layers", "must list the target layers a drafter that needs hidden states reads")
+        _check(msg.hidden_size >= 1, "hidden_size", f"must be >= 1 for a drafter that needs hidden states, got {msg.hidden_size}")
+    else:
+        _check(msg.hidden_size >= 0, "hidden_size", f"must be >= 0, got {msg.hidden_size}")
+
+
 def remove_request(msg: drafter_pb2.DrafterRemoveRequest | verifier_pb2.VerifierRemoveRequest) -> None:
     for i, r in enumerate(msg.request_ids):
         request_id(r, f"request_ids[{i}]")
@@ -292,6 +304,17 @@ def verify_result(msg: verifier_pb2.VerifyResult, *, vocab_size: int) -> None:
         _check(len(msg.num_hidden_positions) == 0, "num_hidden_positions", "must be empty when hidden_states is absent")
 
 
+def verifier_info(msg: verifier_pb2.VerifierInfo) -> None:
+    _check(msg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {msg.vocab_size}")
+    _check(msg.max_model_len >= 1, "max_model_len", f"must be >= 1, got {msg.max_model_len}")
+    bad = [layer for layer in msg.capture_layers if layer < 0]
+    _check(not bad, "capture_layers", f"layer indices must be >= 0, got {_preview(list(msg.capture_layers))}")
+    _check(msg.hidden_size >= 1, "hidden_size", f"must be >= 1, got {msg.hidden_size}")
+    _check(msg.kv_budget_tokens >= 1, "kv_budget_tokens", f"must be >= 1, got {msg.kv_budget_tokens}")
+    _check(0 <= msg.free_kv_tokens <= msg.kv_budget_tokens, "free_kv_tokens",
+           f"must be in [0, kv_budget_tokens = {msg.kv_budget_tokens}], got {msg.free_kv_tokens}")
+
+
 def sps_profile(msg: verifier_pb2.SPSProfile) -> None:
     b, t = list(msg.batch_sizes), list(msg.step_seconds)
     _check(len(b) > 0, "batch_sizes", "must hold at least one measured batch size")
@@ -350,11 +373,14 @@ _NO_CONTEXT: dict[type, Callable] = {
     verifier_pb2.VerifierRemoveRequest: remove_request,
     verifier_pb2.SPSProfile: sps_profile,
     scheduler_pb2.CancelRequest: cancel_request,
+    drafter_pb2.DrafterInfo: drafter_info,
+    verifier_pb2.VerifierInfo: verifier_info,
 }
 _NOTHING_TO_CHECK = (
     drafter_pb2.DrafterAddResponse, drafter_pb2.AppendFeaturesResponse, drafter_pb2.DrafterRemoveResponse,
     verifier_pb2.VerifierAddResponse, verifier_pb2.VerifierRemoveResponse, verifier_pb2.GetSPSProfileRequest,
     scheduler_pb2.CancelResponse, scheduler_pb2.StatsRequest, scheduler_pb2.SchedulerStats,
+    drafter_pb2.GetDrafterInfoRequest, verifier_pb2.GetVerifierInfoRequest,
 )
 
 

@@ -1,5 +1,3 @@
-"""Drafter service (issue #5): hosts a drafter and streams draft blocks + confidences over gRPC.
-
-The drafting logic lives in `dspark.drafters` (today: `ngram.NgramDrafter`; the DSpark drafter
-arrives with issue #3); this package will only hold the gRPC servicer around it.
-"""
+"""Drafter service: hosts a drafter (dspark.drafters.make_drafter), keeps each request's token
+sequence, draft random stream and (DSpark) context features, and streams one DraftBlock per
+request and round. `server.py` serves it, `client.py` (RemoteDrafter) calls it."""

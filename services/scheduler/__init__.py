@@ -1,6 +1,3 @@
-"""Scheduler service (issue #5): continuous batching and the prefix scheduler behind gRPC.
-
-The math already lives in the library: `dspark.scheduling` (Algorithm 1, its async variant and
-the baseline policies, pure functions) and `dspark.engine.speculative` (the round loop, which
-today drafts a fixed γ per round). This package will hold the gRPC servicer around them.
-"""
+"""Scheduler service: the speculative round loop (dspark.engine) over remote verifier and drafter
+services, with continuous batching, KV admission control and the configured policy
+(dspark.scheduling); serves the Scheduler API and, with a Redis URL, the gateways' bus."""

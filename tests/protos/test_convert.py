@@ -214,6 +214,9 @@ def test_empty_and_stats_messages_round_trip():
         scheduler_pb2.SchedulerStats(num_waiting=1, num_running=2, num_finished=3, num_rounds=4,
                                      generation_tokens_per_second=1.5, mean_accepted_length=2.5),
         scheduler_pb2.CancelRequest(request_id="x"), scheduler_pb2.CancelResponse(cancelled=True),
+        drafter_pb2.GetDrafterInfoRequest(), verifier_pb2.GetVerifierInfoRequest(),
+        drafter_pb2.DrafterInfo(name="ngram", vocab_size=VOCAB),
+        verifier_pb2.VerifierInfo(model="m", vocab_size=VOCAB, max_model_len=64, hidden_size=8, kv_budget_tokens=9, free_kv_tokens=9),
     ):
         assert _wire(msg) == msg
         validate(msg, vocab_size=VOCAB)

@@ -75,7 +75,7 @@ def test_reflection_serves_the_service_descriptors_and_health_answers():
             assert verify.name == "dspark/v1/verifier.proto" and verify.package == "dspark.v1"
             assert "dspark/v1/common.proto" in verify.dependency
             methods = {m.name for m in verify.service[0].method}
-            assert methods == {"AddRequest", "RemoveRequest", "Verify", "GetSPSProfile"}
+            assert methods == {"AddRequest", "RemoveRequest", "Verify", "GetSPSProfile", "GetInfo"}
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="dspark.v1.Drafter"), timeout=5
             )

@@ -111,6 +111,11 @@ VALID = {
     "generation": _gen(),
     "step output": scheduler_pb2.StepOutput(request_id="g", new_token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP),
     "cancel": scheduler_pb2.CancelRequest(request_id="g"),
+    "drafter info": drafter_pb2.DrafterInfo(name="dspark", needs_hidden_states=True, capture_layers=[1, 3], provides_confidences=True,
+                                            vocab_size=VOCAB, hidden_size=8),
+    "drafter info stateless": drafter_pb2.DrafterInfo(name="ngram", vocab_size=VOCAB),
+    "verifier info": verifier_pb2.VerifierInfo(model="m", vocab_size=VOCAB, max_model_len=64, capture_layers=[0, 2], hidden_size=8,
+                                               kv_budget_tokens=100, free_kv_tokens=60, sampler_backend="torch"),
 }
 
 
@@ -189,6 +194,14 @@ INVALID = [
     ("generation stop out of vocab", _gen(stop_token_ids=[VOCAB + 3]), "stop_token_ids[0]", "out of range"),
     ("generation without params", scheduler_pb2.GenerationRequest(request_id="g", prompt_ids=[1], max_new_tokens=1), "params", "missing"),
     ("step output unknown reason", scheduler_pb2.StepOutput(request_id="g", finish_reason=7), "finish_reason", "unknown"),
+    ("drafter info without name", drafter_pb2.DrafterInfo(vocab_size=VOCAB), "name", "non-empty"),
+    ("drafter info without vocab", drafter_pb2.DrafterInfo(name="ngram"), "vocab_size", ">= 1"),
+    ("drafter info reads no layers", drafter_pb2.DrafterInfo(name="d", vocab_size=VOCAB, needs_hidden_states=True, hidden_size=8),
+     "capture_layers", "must list"),
+    ("drafter info negative layer", drafter_pb2.DrafterInfo(name="d", vocab_size=VOCAB, capture_layers=[-1]), "capture_layers", ">= 0"),
+    ("verifier info free above budget", verifier_pb2.VerifierInfo(vocab_size=VOCAB, max_model_len=8, hidden_size=8, kv_budget_tokens=10,
+                                                                  free_kv_tokens=11), "free_kv_tokens", "[0, kv_budget_tokens = 10]"),
+    ("verifier info without context", verifier_pb2.VerifierInfo(vocab_size=VOCAB, hidden_size=8, kv_budget_tokens=10), "max_model_len", ">= 1"),
 ]
 
 
@@ -231,7 +244,7 @@ TOP_LEVEL = [
     drafter_pb2.DraftBlock, drafter_pb2.AppendFeaturesRequest, drafter_pb2.DrafterRemoveRequest,
     verifier_pb2.VerifierAddRequest, verifier_pb2.VerifierRemoveRequest, verifier_pb2.VerifyBatch,
     verifier_pb2.VerifyResult, verifier_pb2.SPSProfile, scheduler_pb2.GenerationRequest, scheduler_pb2.StepOutput,
-    scheduler_pb2.CancelRequest,
+    scheduler_pb2.CancelRequest, drafter_pb2.DrafterInfo, verifier_pb2.VerifierInfo,
 ]
 
 small_int = st.integers(min_value=-3, max_value=VOCAB + 2)

@@ -84,3 +84,23 @@ class DraftBlock(_message.Message):
     request_id: str
     proposal: _common_pb2.DraftProposal
     def __init__(self, round_id: _Optional[int] = ..., request_id: _Optional[str] = ..., proposal: _Optional[_Union[_common_pb2.DraftProposal, _Mapping]] = ...) -> None: ...
+
+class GetDrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("name", "needs_hidden_states", "capture_layers", "provides_confidences", "vocab_size", "hidden_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROVIDES_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    needs_hidden_states: bool
+    capture_layers: _containers.RepeatedScalarFieldContainer[int]
+    provides_confidences: bool
+    vocab_size: int
+    hidden_size: int
+    def __init__(self, name: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., capture_layers: _Optional[_Iterable[int]] = ..., provides_confidences: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...

@@ -55,6 +55,11 @@ class DrafterStub:
                 request_serializer=dspark_dot_v1_dot_drafter__pb2.DraftRoundRequest.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_drafter__pb2.DraftBlock.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/dspark.v1.Drafter/GetInfo',
+                request_serializer=dspark_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -89,6 +94,13 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """What this replica hosts (the scheduler checks it against the verifier at start).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Draft,
                     request_deserializer=dspark_dot_v1_dot_drafter__pb2.DraftRoundRequest.FromString,
                     response_serializer=dspark_dot_v1_dot_drafter__pb2.DraftBlock.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=dspark_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.FromString,
+                    response_serializer=dspark_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class Drafter:
             '/dspark.v1.Drafter/Draft',
             dspark_dot_v1_dot_drafter__pb2.DraftRoundRequest.SerializeToString,
             dspark_dot_v1_dot_drafter__pb2.DraftBlock.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.v1.Drafter/GetInfo',
+            dspark_dot_v1_dot_drafter__pb2.GetDrafterInfoRequest.SerializeToString,
+            dspark_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
             options,
             channel_credentials,
             insecure,

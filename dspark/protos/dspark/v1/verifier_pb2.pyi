@@ -88,3 +88,27 @@ class SPSProfile(_message.Message):
     batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     step_seconds: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, batch_sizes: _Optional[_Iterable[int]] = ..., step_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class GetVerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("model", "vocab_size", "max_model_len", "capture_layers", "hidden_size", "kv_budget_tokens", "free_kv_tokens", "sampler_backend")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    vocab_size: int
+    max_model_len: int
+    capture_layers: _containers.RepeatedScalarFieldContainer[int]
+    hidden_size: int
+    kv_budget_tokens: int
+    free_kv_tokens: int
+    sampler_backend: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., capture_layers: _Optional[_Iterable[int]] = ..., hidden_size: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., sampler_backend: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,11 @@ class VerifierStub:
                 request_serializer=dspark_dot_v1_dot_verifier__pb2.GetSPSProfileRequest.SerializeToString,
                 response_deserializer=dspark_dot_v1_dot_verifier__pb2.SPSProfile.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/dspark.v1.Verifier/GetInfo',
+                request_serializer=dspark_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
+                response_deserializer=dspark_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -83,7 +88,15 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSPSProfile(self, request, context):
-        """The measured steps-per-second curve SPS(B) of this replica (the prefix scheduler's input).
+        """The measured steps-per-second curve SPS(B) of this replica (the prefix scheduler's input);
+        FAILED_PRECONDITION if the replica was started without profiling.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """What this replica serves: the model's vocabulary, context window, captured layers, KV budget.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -111,6 +124,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetSPSProfile,
                     request_deserializer=dspark_dot_v1_dot_verifier__pb2.GetSPSProfileRequest.FromString,
                     response_serializer=dspark_dot_v1_dot_verifier__pb2.SPSProfile.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=dspark_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.FromString,
+                    response_serializer=dspark_dot_v1_dot_verifier__pb2.VerifierInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +240,33 @@ class Verifier:
             '/dspark.v1.Verifier/GetSPSProfile',
             dspark_dot_v1_dot_verifier__pb2.GetSPSProfileRequest.SerializeToString,
             dspark_dot_v1_dot_verifier__pb2.SPSProfile.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.v1.Verifier/GetInfo',
+            dspark_dot_v1_dot_verifier__pb2.GetVerifierInfoRequest.SerializeToString,
+            dspark_dot_v1_dot_verifier__pb2.VerifierInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,306 @@
+"""The serving system's configuration: one typed tree, the single source of serving defaults.
+
+    config = ServingConfig.load("serving.toml")        # defaults <- file <- DSPARK_<SECTION>_<KEY>
+    config.verifier.address                             # what the scheduler dials
+    config.verifier.bind                                # what the verifier listens on
+
+Precedence, lowest first: the defaults below; a JSON (`.json`) or TOML (`.toml`) file of
+`{section: {key: value}}` (path given, else $DSPARK_CONFIG, else none); environment variables
+`DSPARK_<SECTION>_<KEY>` (e.g. `DSPARK_VERIFIER_PORT=6000`, `DSPARK_SCHEDULER_POLICY=dspark`);
+then explicit overrides (command-line flags). Unknown sections or keys in a file, and unknown keys
+of a known section in the environment, are errors that name them (a typo must not be ignored);
+environment variables of other sections (DSPARK_CACHE_DIR, ...) are not ours and are left alone.
+
+Each service section has `host`/`port` (where it listens; 0 = a free port) and `address` (where
+clients dial it; empty = host:port). In Kubernetes a pod listens on 0.0.0.0 and its clients dial
+the service name, e.g. DSPARK_VERIFIER_HOST=0.0.0.0 and DSPARK_VERIFIER_ADDRESS=verifier:50053.
+Optional values use an empty string or 0 for "not set", so that every key has one plain type and
+can be given as an environment variable. This module imports nothing heavy (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "RedisSection", "RpcSection", "SchedulerSection",
+    "ServingConfig", "VerifierSection",
+]
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # dspark.model.model_store.DEFAULT_MODEL (not imported: it pulls in torch)
+ENV_PREFIX = "DSPARK_"
+CONFIG_PATH_ENV = "DSPARK_CONFIG"
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_port(section: str, port: int) -> None:
+    _check(0 <= port <= 65535, f"{section}.port must be in [0, 65535] (0 = any free port), got {port}")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The target model every service serves."""
+
+    name: str = DEFAULT_MODEL_NAME  # the default model's name, or a local HF Llama/Qwen directory
+    dtype: str = "auto"  # compute dtype of the linear layers: auto (bf16 where the hardware has it) | bfloat16 | float32
+    kv_budget_mb: int = 4096  # memory for all requests' KV caches (verifier)
+    max_model_len: int = 0  # context window; 0 = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "model.name must be the default model's name or a model directory, got ''")
+        _check(self.dtype in ("auto", "bfloat16", "float32"), f"model.dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
+        _check(self.kv_budget_mb > 0, f"model.kv_budget_mb must be > 0, got {self.kv_budget_mb}")
+        _check(self.max_model_len >= 0, f"model.max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    host: str
+    port: int
+    address: str
+
+    @property
+    def bind(self) -> str:
+        """host:port to listen on."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def dial(self) -> str:
+        """Where clients connect: `address`, else host:port (0.0.0.0 dialled as 127.0.0.1)."""
+        if self.address:
+            return self.address
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "[::]") else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class DrafterSection(_Endpoint):
+    """The drafter service (`dspark drafter`) and which drafter it hosts."""
+
+    host: str = "127.0.0.1"
+    port: int = 50052
+    address: str = ""
+    name: str = "dspark"  # dspark.drafters.DRAFTERS; "dspark" with no path = the checkpoint shipped for the default model
+    path: str = ""  # checkpoint directory of a trained drafter (dspark); "" = none
+    top_k: int = 0  # truncate the drafter's rows to its top k (sparse on the wire); 0 = full rows
+
+    def __post_init__(self) -> None:
+        _check_port("drafter", self.port)
+        _check(bool(self.name), "drafter.name must name a drafter, got ''")
+        _check(self.top_k >= 0, f"drafter.top_k must be >= 0 (0 = full rows), got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class VerifierSection(_Endpoint):
+    """The verifier service (`dspark verifier`): the target model, KV caches, rejection sampler."""
+
+    host: str = "127.0.0.1"
+    port: int = 50053
+    address: str = ""
+    sps_max_batch: int = 64  # profile SPS(B) at start-up up to this B (tokens); 0 skips it
+    sps_tokens_per_request: int = 8  # query tokens per request in the profile's batches (γ + 1)
+    sampler_backend: str = "auto"  # torch | triton | auto (Triton when CUDA is present)
+
+    def __post_init__(self) -> None:
+        _check_port("verifier", self.port)
+        _check(self.sps_max_batch >= 0, f"verifier.sps_max_batch must be >= 0 (0 = no profile), got {self.sps_max_batch}")
+        _check(self.sps_tokens_per_request >= 1, f"verifier.sps_tokens_per_request must be >= 1, got {self.sps_tokens_per_request}")
+        _check(self.sampler_backend in ("auto", "torch", "triton"),
+               f"verifier.sampler_backend must be 'auto', 'torch' or 'triton', got {self.sampler_backend!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerSection(_Endpoint):
+    """The scheduler service (`dspark scheduler`): the round loop over the verifier and drafter."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    address: str = ""
+    gamma: int = 7  # draft tokens per round (block size γ)
+    policy: str = "dspark"  # none | fixed:K | threshold:C | dspark (Algorithm 1) | dspark-async; "" = all γ drafts every round
+
+    def __post_init__(self) -> None:
+        _check_port("scheduler", self.port)
+        _check(self.gamma >= 0, f"scheduler.gamma must be >= 0, got {self.gamma}")
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    """The OpenAI-compatible HTTP gateway."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_tokens_limit: int = 2048  # largest max_tokens a client may ask for
+    model_name: str = ""  # the id clients send in `model`; "" = derived from model.name
+
+    def __post_init__(self) -> None:
+        _check_port("gateway", self.port)
+        _check(self.max_tokens_limit >= 1, f"gateway.max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+
+
+@dataclass(frozen=True)
+class RedisSection:
+    """The bus between gateways and schedulers in the distributed mode."""
+
+    url: str = ""  # e.g. redis://localhost:6379/0; "" = the in-memory bus (one process)
+
+
+@dataclass(frozen=True)
+class RpcSection:
+    """gRPC deadlines and limits, for every client call between the services."""
+
+    deadline_s: float = 10.0  # control calls: add / remove requests, info, health, stats
+    draft_deadline_s: float = 60.0  # one Draft round (the whole stream)
+    verify_deadline_s: float = 300.0  # one Verify round (a long prefill on a CPU takes seconds)
+    connect_timeout_s: float = 120.0  # how long a client waits for its server to come up at start
+    startup_timeout_s: float = 1800.0  # `dspark up`: how long a service may take to report SERVING
+    max_message_mb: int = 512  # largest gRPC message (a long prompt's hidden states are MBs)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            _check(value > 0, f"rpc.{f.name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    verifier: VerifierSection = field(default_factory=VerifierSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    redis: RedisSection = field(default_factory=RedisSection)
+    rpc: RpcSection = field(default_factory=RpcSection)
+
+    # ---- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        *,
+        env: Mapping[str, str] | None = None,
+        overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> ServingConfig:
+        """Defaults <- file (`path`, else $DSPARK_CONFIG) <- environment <- `overrides`."""
+        env = os.environ if env is None else env
+        config = cls()
+        path = path if path is not None else env.get(CONFIG_PATH_ENV) or None
+        if path is not None:
+            config = config.updated(_read_file(Path(path)), source=str(path))
+        config = config.updated(_from_env(env), source="environment")
+        if overrides:
+            config = config.updated(overrides, source="overrides")
+        return config
+
+    def updated(self, values: Mapping[str, Mapping[str, Any]], *, source: str = "overrides") -> ServingConfig:
+        """A copy with `{section: {key: value}}` applied; values are checked against the field types."""
+        sections = {f.name for f in fields(self)}
+        changes = {}
+        for section, keys in values.items():
+            _check(section in sections, f"{source}: unknown section {section!r}; expected one of {sorted(sections)}")
+            _check(isinstance(keys, Mapping), f"{source}: section {section!r} must be a table of keys, got {keys!r}")
+            current = getattr(self, section)
+            types = _field_types(type(current))
+            unknown = sorted(set(keys) - set(types))
+            _check(not unknown, f"{source}: unknown key(s) {unknown} in section {section!r}; expected some of {sorted(types)}")
+            typed = {k: _coerce(v, types[k], f"{source}: {section}.{k}") for k, v in keys.items()}
+            changes[section] = replace(current, **typed)
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# ---- helpers ----------------------------------------------------------------------------------
+
+
+def _field_types(section_type: type) -> dict[str, type]:
+    hints = typing.get_type_hints(section_type)
+    return {f.name: hints[f.name] for f in fields(section_type)}
+
+
+def _coerce(value: Any, kind: type, where: str) -> Any:
+    """`value` (from a file: JSON/TOML scalars; from the environment: a string) as `kind`."""
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+            return value.strip().lower() in _TRUE
+        raise ValueError(f"{where} must be a boolean (true/false/1/0), got {value!r}")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value.strip())
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if kind is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    raise TypeError(f"{where}: unsupported config field type {kind!r}")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: invalid TOML: {e}") from None
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON: {e}") from None
+    else:
+        raise ValueError(f"config file {path} must end in .toml or .json")
+    _check(isinstance(data, dict), f"{path}: the top level must be a table of sections, got {type(data).__name__}")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    """DSPARK_<SECTION>_<KEY> variables of our sections, as {section: {key: raw string}}."""
+    sections = {name: _field_types(kind) for name, kind in typing.get_type_hints(ServingConfig).items()}
+    out: dict[str, dict[str, str]] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name == CONFIG_PATH_ENV:
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, _, key = rest.partition("_")
+        if section not in sections:
+            continue  # DSPARK_CACHE_DIR and friends: not serving configuration
+        if key not in sections[section]:
+            raise ValueError(f"environment variable {name}: unknown key {key!r} of section {section!r}; "
+                             f"expected one of {sorted(sections[section])}")
+        out.setdefault(section, {})[key] = raw
+    return out

@@ -1,0 +1,293 @@
+"""`dspark verifier | drafter | scheduler | up`: the gRPC services, one per process.
+
+    dspark verifier --config serving.toml        # target model + KV caches + rejection sampler
+    dspark drafter --drafter dspark --drafter-path runs/dspark/final
+    dspark scheduler --policy dspark             # dials the verifier and drafter addresses
+    dspark up --drafter ngram                    # all of them on this machine, one process each
+    dspark up --redis redis://127.0.0.1:6379/0   # ... plus the bus worker and the HTTP gateway
+
+Configuration (dspark/serving_config.py): defaults <- `--config FILE` (or $DSPARK_CONFIG) <-
+DSPARK_<SECTION>_<KEY> environment variables <- the flags below (only those given).
+
+`dspark up` writes the resolved configuration to a temporary file, starts the verifier and the
+drafter (in parallel: both load the model), waits until each reports SERVING on grpc.health.v1,
+then starts the scheduler and, when a Redis URL is configured, the gateway over the bus
+(`dspark gateway`, gateway/cli.py). It stops them all, in reverse order, on Ctrl-C or as soon as
+one of them exits. Each child runs in its own session, so that Ctrl-C reaches `up` only and the
+shutdown order is ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import fields
+from pathlib import Path
+
+__all__ = ["add_service_parsers", "cmd_drafter", "cmd_scheduler", "cmd_up", "cmd_verifier", "config_from_args"]
+
+log = logging.getLogger("dspark.up")
+
+
+# ---- configuration from flags -------------------------------------------------------------------
+
+# flag dest -> (section, key); a flag left at None does not override the configuration
+_FLAG_KEYS = {
+    "host": None, "port": None,  # the command's own section
+    "model": ("model", "name"), "dtype": ("model", "dtype"), "kv_budget_mb": ("model", "kv_budget_mb"),
+    "max_model_len": ("model", "max_model_len"),
+    "drafter": ("drafter", "name"), "drafter_path": ("drafter", "path"), "drafter_top_k": ("drafter", "top_k"),
+    "drafter_address": ("drafter", "address"), "verifier_address": ("verifier", "address"),
+    "sps_max_batch": ("verifier", "sps_max_batch"), "sampler_backend": ("verifier", "sampler_backend"),
+    "gamma": ("scheduler", "gamma"), "policy": ("scheduler", "policy"),
+    "redis": ("redis", "url"), "gateway_port": ("gateway", "port"),
+}
+
+
+def config_from_args(args: argparse.Namespace, section: str | None):
+    """The ServingConfig for a parsed command line: `--config` file, environment, then the flags
+    given (`--host` / `--port` apply to `section`, the command's own service)."""
+    from dspark.serving_config import ServingConfig
+
+    overrides: dict[str, dict] = {}
+    for dest, target in _FLAG_KEYS.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if target is None:
+            if section is None:
+                continue
+            target = (section, dest)
+        overrides.setdefault(target[0], {})[target[1]] = value
+    return ServingConfig.load(args.config, overrides=overrides)
+
+
+def _add_common(p: argparse.ArgumentParser, *, own_endpoint: bool = True) -> None:
+    p.add_argument("--config", default=None, help="JSON or TOML file of {section: {key: value}} (default: $DSPARK_CONFIG)")
+    if own_endpoint:
+        p.add_argument("--host", default=None, help="interface to listen on (config: <service>.host)")
+        p.add_argument("--port", type=int, default=None, help="port to listen on (config: <service>.port)")
+    p.add_argument("--log-level", default="info")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="default model name or a local HF Llama/Qwen directory (config: model.name)")
+    p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float32"],
+                   help="compute dtype of the linear layers (config: model.dtype; auto: bf16 where the hardware has it)")
+
+
+def _add_drafter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default=None, help="drafter to host: none | ngram | dspark | ... (config: drafter.name)")
+    p.add_argument("--drafter-path", default=None, help="checkpoint directory of a trained drafter (config: drafter.path)")
+
+
+def _run(args: argparse.Namespace, section: str | None, serve) -> int:
+    """Serve until stopped: exit 0; 2 for a bad configuration; 1 when a service it needs is unreachable."""
+    from services.grpc_common import ServiceError
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args, section)
+        serve(config)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except ServiceError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+# ---- one service per process --------------------------------------------------------------------
+
+
+def cmd_verifier(args: argparse.Namespace) -> int:
+    from services.verifier.server import serve_verifier
+
+    return _run(args, "verifier", serve_verifier)
+
+
+def cmd_drafter(args: argparse.Namespace) -> int:
+    from services.drafter.server import serve_drafter
+
+    return _run(args, "drafter", serve_drafter)
+
+
+def cmd_scheduler(args: argparse.Namespace) -> int:
+    from services.scheduler.server import serve_scheduler
+
+    return _run(args, "scheduler", serve_scheduler)
+
+
+# ---- dspark up ----------------------------------------------------------------------------------
+
+
+def _child_env(config_sections: list[str]) -> dict[str, str]:
+    """Our environment minus the DSPARK_<SECTION>_<KEY> variables (already resolved into the
+    file the children read: left in place, they would override the flags given to `up`)."""
+    prefixes = tuple(f"DSPARK_{s.upper()}_" for s in config_sections)
+    return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+
+
+def _gateway_command(config) -> list[str] | None:
+    """How `up` starts the HTTP gateway: over the Redis bus (gateway/cli.py), if a Redis URL is
+    configured; None otherwise (then clients use the scheduler's gRPC API, or `dspark serve`)."""
+    if not config.redis.url:
+        return None
+    g = config.gateway
+    cmd = [sys.executable, "-m", "dspark.cli", "gateway", "--redis", config.redis.url, "--model", config.model.name,
+           "--host", g.host, "--port", str(g.port), "--max-tokens-limit", str(g.max_tokens_limit)]
+    if config.model.max_model_len:
+        cmd += ["--max-model-len", str(config.model.max_model_len)]
+    if g.model_name:
+        cmd += ["--served-model-name", g.model_name]
+    return cmd
+
+
+def _wait_http(host: str, port: int, *, timeout: float, alive) -> None:
+    """Until http://host:port/health answers at all (any status): the gateway is listening."""
+    import urllib.error
+    import urllib.request
+
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2.0).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            pass
+        if not alive():
+            raise RuntimeError(f"the gateway exited before listening on {host}:{port}")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the gateway is not listening on {host}:{port} after {timeout} s")
+        time.sleep(0.3)
+
+
+def _stop(children: list[tuple[str, subprocess.Popen]], timeout: float = 15.0) -> None:
+    for name, proc in reversed(children):
+        if proc.poll() is None:
+            log.info("stopping %s (pid %d)", name, proc.pid)
+            proc.send_signal(signal.SIGTERM)
+    for name, proc in reversed(children):
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("%s (pid %d) did not stop within %.0f s: killing it", name, proc.pid, timeout)
+            proc.kill()
+            proc.wait()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
+    from dspark.serving_config import ServingConfig
+    from services.grpc_common import wait_until_serving
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args, None)
+        zero = [s for s in ("verifier", "drafter", "scheduler", "gateway") if getattr(config, s).port == 0]
+        if zero:
+            raise ValueError(f"`dspark up` needs fixed ports (the services dial each other), got port 0 for {zero}")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="dspark-up-") as tmp:
+        path = Path(tmp) / "serving.json"
+        path.write_text(config.to_json())
+        env = _child_env([f.name for f in fields(ServingConfig)])
+        children: list[tuple[str, subprocess.Popen]] = []
+
+        def start(name: str, cmd: list[str]) -> subprocess.Popen:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+            children.append((name, proc))
+            log.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd[2:]))
+            return proc
+
+        def service(name: str) -> list[str]:
+            return [sys.executable, "-m", "dspark.cli", name, "--config", str(path), "--log-level", args.log_level]
+
+        timeout = config.rpc.startup_timeout_s
+        try:
+            verifier = start("verifier", service("verifier"))
+            drafter = start("drafter", service("drafter"))
+            wait_until_serving(config.verifier.dial, VERIFIER_SERVICE, timeout=timeout, alive=lambda: verifier.poll() is None)
+            wait_until_serving(config.drafter.dial, DRAFTER_SERVICE, timeout=timeout, alive=lambda: drafter.poll() is None)
+            scheduler = start("scheduler", service("scheduler"))
+            wait_until_serving(config.scheduler.dial, SCHEDULER_SERVICE, timeout=timeout, alive=lambda: scheduler.poll() is None)
+            gateway_cmd = _gateway_command(config)
+            if gateway_cmd is not None:
+                gateway = start("gateway", gateway_cmd)
+                _wait_http(config.gateway.host, config.gateway.port, timeout=timeout, alive=lambda: gateway.poll() is None)
+            ready = {name: proc.pid for name, proc in children}
+            endpoints = {"verifier": config.verifier.dial, "drafter": config.drafter.dial, "scheduler": config.scheduler.dial}
+            if gateway_cmd is not None:
+                endpoints["gateway"] = f"http://{config.gateway.host}:{config.gateway.port}/v1"
+            print(json.dumps({"ready": ready, "endpoints": endpoints}), flush=True)  # one line a script can wait for
+            while True:
+                for name, proc in children:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"{name} exited with status {proc.returncode}")
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            log.info("Ctrl-C: stopping all services")
+            return 0
+        except (RuntimeError, TimeoutError) as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            _stop(children)
+
+
+# ---- registration -------------------------------------------------------------------------------
+
+
+def add_service_parsers(sub: argparse._SubParsersAction) -> None:
+    """Register `dspark verifier | drafter | scheduler | up` on the CLI's subparsers."""
+    v = sub.add_parser("verifier", help="gRPC verifier service: target model, KV caches, rejection sampler, SPS(B)")
+    _add_common(v)
+    _add_model(v)
+    _add_drafter(v)  # which layers to capture follows from the drafter the deployment uses
+    v.add_argument("--kv-budget-mb", type=int, default=None, help="memory for all requests' KV caches (config: model.kv_budget_mb)")
+    v.add_argument("--max-model-len", type=int, default=None, help="context window (config: model.max_model_len; 0 = the model's)")
+    v.add_argument("--sps-max-batch", type=int, default=None, help="profile SPS(B) at start-up up to this B; 0 skips it")
+    v.add_argument("--sampler-backend", default=None, choices=["auto", "torch", "triton"])
+    v.set_defaults(func=cmd_verifier)
+
+    d = sub.add_parser("drafter", help="gRPC drafter service: hosts a drafter, keeps each request's context features")
+    _add_common(d)
+    _add_model(d)
+    _add_drafter(d)
+    d.add_argument("--drafter-top-k", type=int, default=None, help="truncate draft rows to the top k (sparse on the wire); 0 = full")
+    d.set_defaults(func=cmd_drafter)
+
+    s = sub.add_parser("scheduler", help="gRPC scheduler service: the round loop over the verifier and drafter services")
+    _add_common(s)
+    s.add_argument("--verifier-address", default=None, help="host:port of the verifier (config: verifier.address)")
+    s.add_argument("--drafter-address", default=None, help="host:port of the drafter (config: drafter.address)")
+    s.add_argument("--drafter", default=None, help="drafter name; 'none' = plain decoding, no drafter service needed")
+    s.add_argument("--gamma", type=int, default=None, help="draft tokens per round (config: scheduler.gamma)")
+    s.add_argument("--policy", default=None, help="none | fixed:K | threshold:C | dspark | dspark-async (config: scheduler.policy)")
+    s.add_argument("--redis", default=None, help="Redis URL: also serve the gateways' requests from the bus (config: redis.url)")
+    s.set_defaults(func=cmd_scheduler)
+
+    u = sub.add_parser("up", help="start verifier, drafter, scheduler (and gateway with --redis) as processes on this machine")
+    _add_common(u, own_endpoint=False)
+    _add_model(u)
+    _add_drafter(u)
+    u.add_argument("--kv-budget-mb", type=int, default=None)
+    u.add_argument("--sps-max-batch", type=int, default=None, help="the verifier's SPS(B) profile up to this B; 0 skips it")
+    u.add_argument("--gamma", type=int, default=None)
+    u.add_argument("--policy", default=None)
+    u.add_argument("--redis", default=None, help="Redis URL of the bus: also starts the HTTP gateway (config: redis.url)")
+    u.add_argument("--gateway-port", type=int, default=None)
+    u.set_defaults(func=cmd_up)

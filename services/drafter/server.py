@@ -1,0 +1,177 @@
+"""The drafter service: any drafter of `dspark.drafters.make_drafter`, over gRPC.
+
+    dspark drafter --config serving.toml        # DSPARK_DRAFTER_NAME=dspark DSPARK_DRAFTER_PATH=DIR dspark drafter
+
+Per request it keeps what the drafter needs between rounds: the token sequence (so that a round
+carries only the tokens emitted since the last one: `DraftRequest.token_offset`), the request's
+own draft random stream (seeded at AddRequest from `draft_stream_seed(params.seed)`: never the
+verifier's rejection stream), and, inside a stateful drafter (DSpark), the context features
+the scheduler forwards from the verifier with AppendFeatures. A Draft call drafts all its
+requests in one batched `propose` and streams one DraftBlock per request; rows go over the wire
+as the drafter made them (sparse when it truncates to top-k, dense otherwise).
+
+Every incoming message is validated first (INVALID_ARGUMENT with "field: message"); a request
+the drafter does not hold, or a round whose anchor lacks the features of the positions before it,
+is FAILED_PRECONDITION. Calls are serialised by one lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from dspark.drafters.base import Drafter, NoDrafter
+from dspark.engine.speculative import draft_stream_seed
+from dspark.protos import DRAFTER_SERVICE, convert, validate
+from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
+from dspark.serving_config import ServingConfig
+from services.grpc_common import GrpcServer, RpcAbort, create_server, rpc_errors, serve_until_signalled
+
+__all__ = ["DrafterServicer", "build_drafter", "serve_drafter", "start_drafter_server"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _DraftState:
+    token_ids: list[int]  # prompt + generated, as of the last round (the scheduler sends only what is new)
+    generator: torch.Generator  # the request's draft stream
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0):
+        self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
+        self.vocab_size = vocab_size
+        self.needs_hidden = bool(getattr(self.drafter, "needs_hidden_states", False))
+        self.capture_layers = tuple(getattr(self.drafter, "capture_layers", ())) if self.needs_hidden else ()
+        self.hidden_size = hidden_size if self.needs_hidden else 0
+        if self.needs_hidden and hidden_size < 1:
+            raise ValueError(f"drafter {self.drafter.name!r} reads hidden states: pass the target's hidden_size")
+        self._states: dict[str, _DraftState] = {}
+        self._lock = threading.Lock()  # drafters are single-threaded
+        self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
+
+    def _state(self, request_id: str, rpc: str) -> _DraftState:
+        state = self._states.get(request_id)
+        if state is None:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{rpc}: request {request_id!r} is not registered with this drafter (AddRequest first)")
+        return state
+
+    def AddRequest(self, request: drafter_pb2.DrafterAddRequest, context) -> drafter_pb2.DrafterAddResponse:
+        with rpc_errors(context, "Drafter.AddRequest"):
+            validate.drafter_add_request(request, vocab_size=self.vocab_size)
+            seed = request.params.seed if request.params.HasField("seed") else None
+            with self._lock:
+                if request.request_id in self._states:
+                    raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+                self._states[request.request_id] = _DraftState(
+                    token_ids=list(request.prompt_ids), generator=torch.Generator().manual_seed(draft_stream_seed(seed))
+                )
+            return drafter_pb2.DrafterAddResponse()
+
+    def AppendFeatures(self, request: drafter_pb2.AppendFeaturesRequest, context) -> drafter_pb2.AppendFeaturesResponse:
+        with rpc_errors(context, "Drafter.AppendFeatures"):
+            if not self.needs_hidden:
+                raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {self.drafter.name!r} reads no hidden states")
+            validate.append_features(request, num_capture_layers=len(self.capture_layers), hidden_size=self.hidden_size)
+            features = convert.append_features_from_proto(request)  # request id -> [n_new, m, hidden]
+            with self._lock:
+                for rid in features:
+                    self._state(rid, "AppendFeatures")
+                for rid, f in features.items():
+                    self.drafter.observe(rid, f)
+            return drafter_pb2.AppendFeaturesResponse()
+
+    def RemoveRequest(self, request: drafter_pb2.DrafterRemoveRequest, context) -> drafter_pb2.DrafterRemoveResponse:
+        with rpc_errors(context, "Drafter.RemoveRequest"):
+            validate.remove_request(request)
+            removed = 0
+            with self._lock:
+                for rid in request.request_ids:
+                    if self._states.pop(rid, None) is not None:
+                        removed += 1
+                    self.drafter.remove_request(rid)
+            return drafter_pb2.DrafterRemoveResponse(num_removed=removed)
+
+    def Draft(self, request: drafter_pb2.DraftRoundRequest, context):
+        with rpc_errors(context, "Drafter.Draft"):
+            validate.draft_round_request(request, vocab_size=self.vocab_size)
+            with self._lock:
+                reqs = []
+                for msg in request.requests:
+                    state = self._state(msg.request_id, "Draft")
+                    req = convert.draft_request_from_proto(msg, known_token_ids=state.token_ids, generator=state.generator)
+                    self._check_features(req.request_id, len(req.token_ids))
+                    state.token_ids = req.token_ids
+                    reqs.append(req)
+                proposals = self.drafter.propose(reqs) if reqs else []
+            if len(proposals) != len(reqs):
+                raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
+            blocks = []
+            for req, p in zip(reqs, proposals):
+                if len(p) > req.max_draft_tokens:
+                    raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
+                blocks.append(convert.draft_block_to_proto(request.round_id, req.request_id, p))
+        yield from blocks
+
+    def GetInfo(self, request: drafter_pb2.GetDrafterInfoRequest, context) -> drafter_pb2.DrafterInfo:
+        with rpc_errors(context, "Drafter.GetInfo"):
+            return drafter_pb2.DrafterInfo(
+                name=self.drafter.name, needs_hidden_states=self.needs_hidden, capture_layers=list(self.capture_layers),
+                provides_confidences=bool(getattr(self.drafter, "provides_confidences", False)), vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size,
+            )
+
+    def _check_features(self, request_id: str, num_tokens: int) -> None:
+        """A stateful drafter must hold the features of every position before the anchor."""
+        context_len = getattr(self.drafter, "context_len", None)
+        if self.needs_hidden and context_len is not None and context_len(request_id) != num_tokens - 1:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"Draft: request {request_id!r}: the drafter holds features of {context_len(request_id)} positions, "
+                           f"the anchor sits at position {num_tokens - 1}; AppendFeatures every verified position first")
+
+
+def start_drafter_server(
+    drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0, bind: str = "127.0.0.1:0", max_message_mb: int = 512
+) -> GrpcServer:
+    """Serve `drafter` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on."""
+    servicer = DrafterServicer(drafter, vocab_size=vocab_size, hidden_size=hidden_size)
+    return create_server(lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), (DRAFTER_SERVICE,),
+                         bind=bind, max_message_mb=max_message_mb)
+
+
+def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
+    """The configured drafter, the model's vocab size and hidden size. A drafter that shares the
+    target's embedding and LM head (the trained ones) loads the target weights; the others only
+    read the model's config."""
+    from dspark.drafters import drafter_capture_layers, make_drafter
+    from dspark.model.config import ModelConfig
+    from dspark.model.model_store import resolve_model_dir
+
+    m, d = config.model, config.drafter
+    model_config = ModelConfig.from_dir(resolve_model_dir(m.name))
+    capture = drafter_capture_layers(d.name, d.path or None)  # also checks the checkpoint path early
+    runtime = None
+    if capture is not None:
+        from dspark.model.target_runtime import TargetConfig, TargetRuntime
+
+        runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, kv_budget_mb=1, capture_layers=capture))
+    drafter = make_drafter(d.name, runtime=runtime, path=d.path or None, top_k=d.top_k)
+    return drafter, model_config.vocab_size, model_config.hidden_size
+
+
+def serve_drafter(config: ServingConfig) -> None:
+    """`dspark drafter`: build the drafter, serve until SIGTERM / Ctrl-C."""
+    drafter, vocab_size, hidden_size = build_drafter(config)
+    server = start_drafter_server(drafter, vocab_size=vocab_size, hidden_size=hidden_size, bind=config.drafter.bind,
+                                  max_message_mb=config.rpc.max_message_mb)
+    log.info("drafter %s serving on %s:%d", config.drafter.name, config.drafter.host, server.port)
+    serve_until_signalled(server)

@@ -1,0 +1,206 @@
+"""What every gRPC service and client of the serving system shares.
+
+Servers (`create_server`): a thread-pool gRPC server with the standard grpc.health.v1 health
+service and server reflection next to our services, message size limits from the configuration,
+and `rpc_errors(context)`: the one place where library exceptions become status codes
+(ValidationError / ValueError -> INVALID_ARGUMENT, KVBudgetExceeded -> RESOURCE_EXHAUSTED,
+`RpcAbort(code, message)` -> that code, anything else -> INTERNAL), always with a message.
+
+Clients (`call`, `make_channel`): every call carries a deadline, and a failed call becomes an
+exception that says which service and RPC failed and why: ValueError (INVALID_ARGUMENT),
+KVBudgetExceeded (RESOURCE_EXHAUSTED raised by a verifier for lack of KV), DeadlineExceeded,
+ServiceUnavailable, or ServiceError for the rest. The engine treats them like local errors: a
+KVBudgetExceeded queues the request, anything else fails the round's requests with a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dspark.model.kv_cache import KVBudgetExceeded
+
+__all__ = [
+    "DeadlineExceeded", "GrpcServer", "RpcAbort", "ServiceError", "ServiceUnavailable", "call", "channel_options", "check_health",
+    "create_server", "make_channel", "rpc_errors", "serve_until_signalled", "wait_until_serving",
+]
+
+log = logging.getLogger(__name__)
+
+KV_BUDGET_METADATA = ("dspark-error", "kv-budget-exceeded")  # marks a RESOURCE_EXHAUSTED that means "no KV now"
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "grpc.health.v1.Health"
+
+
+# ---- client side -------------------------------------------------------------------------------
+
+
+class ServiceError(RuntimeError):
+    """A call to another service failed for a reason that is not the request's fault."""
+
+
+class DeadlineExceeded(ServiceError):
+    """A call got no answer within its deadline."""
+
+
+class ServiceUnavailable(ServiceError):
+    """The service could not be reached (not started, crashed, wrong address)."""
+
+
+def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
+    size = max_message_mb * 2**20
+    return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
+
+
+def make_channel(address: str, *, max_message_mb: int = 512) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=channel_options(max_message_mb))
+
+
+def translate_rpc_error(err: grpc.RpcError, *, where: str, timeout: float | None) -> Exception:
+    """The exception a failed call raises in the caller (see the module docstring)."""
+    code, details = err.code(), err.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"{where}: {details}")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and KV_BUDGET_METADATA in tuple(err.trailing_metadata() or ()):
+        return KVBudgetExceeded(f"{where}: {details}")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(f"{where}: no answer within the {timeout} s deadline")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ServiceUnavailable(f"{where}: service unavailable: {details}")
+    return ServiceError(f"{where} failed with {code.name}: {details}")
+
+
+def call(method: Callable, request, *, timeout: float, where: str, wait_for_ready: bool = False):
+    """A unary call with a deadline; a failure raises translate_rpc_error's exception."""
+    try:
+        return method(request, timeout=timeout, wait_for_ready=wait_for_ready)
+    except grpc.RpcError as err:
+        raise translate_rpc_error(err, where=where, timeout=timeout) from None
+
+
+def check_health(channel: grpc.Channel, service: str = "", *, timeout: float = 5.0) -> bool:
+    """True if the server answers SERVING for `service` ("" = the server as a whole)."""
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def wait_until_serving(address: str, service: str = "", *, timeout: float, poll_s: float = 0.2,
+                       alive: Callable[[], bool] | None = None) -> None:
+    """Block until `address` reports SERVING; TimeoutError after `timeout` s, RuntimeError as soon
+    as `alive()` (e.g. "the process still runs") turns False."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        while True:
+            if check_health(channel, service, timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
+                return
+            if alive is not None and not alive():
+                raise RuntimeError(f"{address}: the service exited before reporting SERVING")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{address}: not SERVING after {timeout} s")
+            time.sleep(poll_s)
+
+
+# ---- server side -------------------------------------------------------------------------------
+
+
+class RpcAbort(Exception):
+    """Raised inside a servicer to end the call with `code` and `message`."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@contextlib.contextmanager
+def rpc_errors(context: grpc.ServicerContext, what: str) -> Iterator[None]:
+    """Map exceptions raised in the block to a status code with a message (module docstring)."""
+    try:
+        yield
+    except RpcAbort as e:
+        context.abort(e.code, e.message)
+    except ValueError as e:  # ValidationError included: "field: message"
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    except KVBudgetExceeded as e:
+        context.set_trailing_metadata((KV_BUDGET_METADATA,))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+    except Exception as e:  # a bug or a broken state: say what, keep serving
+        log.exception("%s failed", what)
+        context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {type(e).__name__}: {e}")
+
+
+@dataclass
+class GrpcServer:
+    """A started server: `port` is the bound port (useful with port 0), `health` its health servicer."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    service_names: tuple[str, ...]
+
+    def set_serving(self, serving: bool = True) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("",) + self.service_names:
+            self.health.set(name, status)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.set_serving(False)
+        self.server.stop(grace).wait()
+
+    def wait_for_termination(self) -> None:
+        self.server.wait_for_termination()
+
+
+def create_server(
+    add_servicers: Callable[[grpc.Server], None],
+    service_names: tuple[str, ...],
+    *,
+    bind: str,
+    max_message_mb: int = 512,
+    max_workers: int = 8,
+) -> GrpcServer:
+    """Start a server on `bind` (host:port, port 0 = any free one) with our servicers, health
+    (SERVING for "" and each service name) and reflection (our services + health + reflection)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(max_message_mb))
+    add_servicers(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(service_names + (HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"could not bind a gRPC server to {bind}")
+    server.start()
+    running = GrpcServer(server=server, port=port, health=health_servicer, service_names=service_names)
+    running.set_serving(True)
+    return running
+
+
+def serve_until_signalled(server: GrpcServer, *, grace_s: float = 5.0) -> None:
+    """Block until SIGTERM or SIGINT (Kubernetes stopping the pod, Ctrl-C), then report NOT_SERVING
+    and stop, letting calls in flight finish for `grace_s` seconds. Main thread only."""
+    stop = threading.Event()
+
+    def request_stop(signum, frame) -> None:
+        log.info("signal %d: stopping", signum)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(1.0):  # a timed wait, so that signals are handled promptly
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        server.stop(grace_s)
