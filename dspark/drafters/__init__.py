@@ -7,45 +7,81 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.drafters.base import DraftProposal, DraftRequest, Drafter, NoDrafter
+from dspark.drafters.base import Drafter, DraftProposal, DraftRequest, NoDrafter
 
-DRAFTERS = ("none", "ngram", "dspark")
+DRAFTERS = ("none", "ngram", "dspark", "dflash", "eagle3")
+TRAINED_DRAFTERS = ("dspark", "dflash", "eagle3")  # read target hidden states, load from a checkpoint directory
 
 
 def drafter_capture_layers(name: str, path: str | Path | None) -> tuple[int, ...] | None:
     """Target layers a drafter reads (the runtime must capture them), or None if it reads none."""
-    if name != "dspark":
+    if name not in TRAINED_DRAFTERS:
         return None
-    from dspark.drafters.dspark.config import DSparkConfig
+    directory = Path(_require_path(name, path))
+    _check_algo(name, directory)
+    if name == "dspark":
+        from dspark.drafters.dspark.config import DSparkConfig
 
-    return tuple(DSparkConfig.from_json((Path(_require_path(name, path)) / "config.json").read_text()).target_layer_ids)
+        return tuple(DSparkConfig.from_json((directory / "config.json").read_text()).target_layer_ids)
+    if name == "dflash":
+        from dspark.drafters.dflash.config import DFlashConfig
+
+        return tuple(DFlashConfig.from_json((directory / "config.json").read_text()).target_layer_ids)
+    from dspark.drafters.eagle3.config import Eagle3Config
+
+    return tuple(Eagle3Config.from_json((directory / "config.json").read_text()).target_layer_ids)
 
 
 def make_drafter(name: str, *, runtime=None, path: str | Path | None = None, top_k: int = 0) -> Drafter | None:
-    """A drafter by name; None for plain decoding. `dspark` needs the target runtime (shared
-    embedding and LM head) and a checkpoint directory."""
+    """A drafter by name; None for plain decoding. The trained drafters (dspark, dflash, eagle3)
+    need the target runtime (shared embedding and LM head) and a checkpoint directory."""
     if name == "none":
         return None
     if name == "ngram":
         from dspark.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if name not in TRAINED_DRAFTERS:
+        raise ValueError(f"unknown drafter {name!r}; expected one of {DRAFTERS}")
+    if runtime is None:
+        raise ValueError(f"the {name} drafter shares the target's embedding and LM head: pass runtime=")
+    directory = Path(_require_path(name, path))
+    _check_algo(name, directory)
     if name == "dspark":
         from dspark.drafters.dspark.serving import DSparkServingDrafter
 
-        if runtime is None:
-            raise ValueError("the dspark drafter shares the target's embedding and LM head: pass runtime=")
-        return DSparkServingDrafter.load(_require_path(name, path), target=runtime.model, top_k=top_k)
-    raise ValueError(f"unknown drafter {name!r}; expected one of {DRAFTERS}")
+        return DSparkServingDrafter.load(directory, target=runtime.model, top_k=top_k)
+    if name == "dflash":
+        from dspark.drafters.dflash.serving import DFlashServingDrafter
+
+        return DFlashServingDrafter.load(directory, target=runtime.model, top_k=top_k)
+    from dspark.drafters.eagle3.serving import Eagle3ServingDrafter
+
+    return Eagle3ServingDrafter.load(directory, target=runtime.model, top_k=top_k)
+
+
+def _check_algo(name: str, directory: Path) -> None:
+    # a clear error for a checkpoint of another drafter family (its config would not parse)
+    from dspark.drafters.dflash.checkpoint import checkpoint_algo
+
+    found = checkpoint_algo(directory)
+    if found != name:
+        raise ValueError(f"{directory} holds a {found!r} drafter checkpoint; use --drafter {found} (or another --drafter-path)")
 
 
 def _require_path(name: str, path: str | Path | None) -> str | Path:
-    if path is None:
+    """`path`, else the checkpoint shipped in the package for the default target (dspark.drafters.shipped)."""
+    if path is not None:
+        return path
+    from dspark.drafters.shipped import shipped_checkpoint
+
+    shipped = shipped_checkpoint(name)
+    if shipped is None:
         raise ValueError(
-            f"the {name} drafter needs a checkpoint directory (--drafter-path DIR); no trained checkpoint "
-            "for the default target is shipped yet (train one with `dspark train`, issue #3)"
+            f"the {name} drafter needs a checkpoint directory (--drafter-path DIR): none ships for it "
+            f"(train one with `dspark train --algo {name}`)"
         )
-    return path
+    return shipped
 
 
-__all__ = ["DRAFTERS", "DraftProposal", "DraftRequest", "Drafter", "NoDrafter", "drafter_capture_layers", "make_drafter"]
+__all__ = ["DRAFTERS", "TRAINED_DRAFTERS", "DraftProposal", "DraftRequest", "Drafter", "NoDrafter", "drafter_capture_layers", "make_drafter"]

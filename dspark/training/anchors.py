@@ -63,6 +63,9 @@ class TrainBatch:
     label_mask: torch.Tensor  # [rows, nb, γ] bool: block valid and t + k <= T - 1
     target_hidden: torch.Tensor  # [rows, nb, γ, d] fp32 final hidden at t + k - 1 (p_t = LMHead of it)
     sequence_indices: list[int]  # [rows] positions in cache.sequences
+    # [rows, L + 1] int64 tokens at positions 0..L (0 past a row's last anchor): the tokens of the
+    # context, which EAGLE-3's entries [embed(x_p) ; g_{p-1}] read (the parallel drafters do not)
+    context_token_ids: torch.Tensor | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -81,8 +84,10 @@ class TrainBatch:
         blocks = BlockBatch(context=b.context.to(device), context_lens=b.context_lens.to(device),
                             anchor_positions=b.anchor_positions.to(device), anchor_tokens=b.anchor_tokens.to(device),
                             block_valid=b.block_valid.to(device))
+        ctx_ids = None if self.context_token_ids is None else self.context_token_ids.to(device)
         return TrainBatch(blocks=blocks, target_tokens=self.target_tokens.to(device), label_mask=self.label_mask.to(device),
-                          target_hidden=self.target_hidden.to(device), sequence_indices=self.sequence_indices)
+                          target_hidden=self.target_hidden.to(device), sequence_indices=self.sequence_indices,
+                          context_token_ids=ctx_ids)
 
 
 def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequence[np.ndarray], *, block_size: int) -> TrainBatch:
@@ -90,7 +95,7 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
     all any of its blocks may read)."""
     if len(seq_indices) != len(anchors) or not seq_indices:
         raise ValueError(f"need one anchor array per sequence, got {len(seq_indices)} sequences and {len(anchors)} anchor arrays")
-    contexts, positions, anchor_tokens, labels, masks, hiddens = [], [], [], [], [], []
+    contexts, positions, anchor_tokens, labels, masks, hiddens, context_ids = [], [], [], [], [], [], []
     for i, a in zip(seq_indices, anchors):
         if len(a) == 0:
             raise ValueError(f"sequence {cache.sequences[i].id!r} has no anchor (response shorter than 2 tokens?)")
@@ -103,6 +108,7 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
         contexts.append(cache.captured(i, stop=int(t.max())).float())
         positions.append(t)
         anchor_tokens.append(tokens[t])
+        context_ids.append(tokens[: int(t.max()) + 1])
         labels.append(lab)
         masks.append(mask)
         hiddens.append(cache.hidden_rows(i, rows.flatten().numpy()).float().view(*rows.shape, -1))
@@ -112,12 +118,14 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
     target_tokens = torch.zeros(rows, nb, block_size, dtype=torch.long)
     label_mask = torch.zeros(rows, nb, block_size, dtype=torch.bool)
     target_hidden = torch.zeros(rows, nb, block_size, d)
-    for r, (lab, mask, hid) in enumerate(zip(labels, masks, hiddens)):
+    context_token_ids = torch.zeros(rows, blocks.context.shape[1] + 1, dtype=torch.long)
+    for r, (lab, mask, hid, ids) in enumerate(zip(labels, masks, hiddens, context_ids)):
         target_tokens[r, : lab.shape[0]] = lab
         label_mask[r, : mask.shape[0]] = mask
         target_hidden[r, : hid.shape[0]] = hid
+        context_token_ids[r, : ids.shape[0]] = ids
     return TrainBatch(blocks=blocks, target_tokens=target_tokens, label_mask=label_mask, target_hidden=target_hidden,
-                      sequence_indices=list(seq_indices))
+                      sequence_indices=list(seq_indices), context_token_ids=context_token_ids)
 
 
 def sequence_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

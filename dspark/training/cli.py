@@ -2,6 +2,7 @@
 
     dspark cache --data-dir D --out C [--split all] [--dtype float16]           # target features, once
     dspark train --cache C --out RUN --steps 2000 [--batch-seqs 8] [--resume]   # RUN/final
+    dspark train --algo dflash|eagle3 --cache C --out RUN ...                   # the baselines, same cache
     dspark calibrate --drafter RUN/final --cache C --out RUN/final              # STS -> sts.json + PNG
 
 `add_train_parsers(subparsers)` registers the three subcommands on dspark/cli.py's parser.
@@ -18,7 +19,7 @@ from pathlib import Path
 def _add_model_args(p: argparse.ArgumentParser, *, default_model: str | None) -> None:
     p.add_argument("--model", default=default_model,
                    help="target: the default model's name or a local HF directory" + ("" if default_model else " (default: the one the cache was built with)"))
-    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype of the target's linear layers")
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype of the target's linear layers")
     p.add_argument("--kv-budget-mb", type=int, default=4096)
 
 
@@ -79,7 +80,8 @@ def cmd_train(args) -> int:
         config = TrainConfig(
             algo=args.algo, steps=args.steps, epochs=args.epochs, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors_per_seq,
             max_batch_tokens=args.max_batch_tokens, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip, layers=args.layers, block_size=args.block_size, markov_rank=args.markov_rank,
+            grad_clip=args.grad_clip, layers=args.layers if args.layers is not None else (1 if args.algo == "eagle3" else 2),
+            block_size=args.block_size, markov_rank=args.markov_rank,
             head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every, precision=args.precision,
         )
     except ValueError as e:
@@ -125,6 +127,26 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Re-store a DSpark checkpoint (e.g. bf16 to ship it in half the bytes), STS temperatures included."""
+    from dspark.drafters.dspark.checkpoint import export_checkpoint
+    from dspark.drafters.dspark.config import DSparkConfig
+    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.model.model_store import resolve_model_dir
+    from dspark.model.transformer import Transformer
+
+    try:
+        DSparkConfig.from_json((Path(args.drafter) / "config.json").read_text())
+        target = Transformer.from_dir(resolve_model_dir(args.model))
+        out = export_checkpoint(args.drafter, args.out, storage_dtype=args.dtype, shared=SharedWeights.from_target(target))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"{args.drafter} -> {out} ({args.dtype}, {size / 2**20:.1f} MiB)")
+    return 0
+
+
 def add_train_parsers(subparsers) -> None:
     c = subparsers.add_parser("cache", help="run the target once over generated data and store its features")
     c.add_argument("--data-dir", required=True, help="directory with responses.jsonl (or the file itself)")
@@ -142,7 +164,8 @@ def add_train_parsers(subparsers) -> None:
     t = subparsers.add_parser("train", help="train a drafter on a target cache")
     t.add_argument("--cache", required=True)
     t.add_argument("--out", required=True, help="run directory (checkpoints/, metrics.jsonl, final/)")
-    t.add_argument("--algo", default="dspark", choices=["dspark"], help="drafter family (dflash, eagle3: issue #4)")
+    t.add_argument("--algo", default="dspark", choices=["dspark", "dflash", "eagle3"],
+                   help="drafter family: dspark, the DFlash baseline (parallel, CE), the EAGLE-3 baseline (1 layer, TTT)")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--batch-seqs", type=int, default=8)
@@ -152,7 +175,7 @@ def add_train_parsers(subparsers) -> None:
     t.add_argument("--warmup", type=float, default=0.04)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--grad-clip", type=float, default=1.0)
-    t.add_argument("--layers", type=int, default=2)
+    t.add_argument("--layers", type=int, default=None, help="draft layers (default: 2; eagle3: 1, its only depth)")
     t.add_argument("--block-size", type=int, default=7)
     t.add_argument("--markov-rank", type=int, default=256)
     t.add_argument("--head", default="markov", choices=["markov", "rnn"])
@@ -182,5 +205,12 @@ def add_train_parsers(subparsers) -> None:
     _add_model_args(k, default_model=None)
     k.set_defaults(func=cmd_calibrate)
 
+    e = subparsers.add_parser("export", help="copy a drafter checkpoint with its weights stored in another dtype")
+    e.add_argument("--drafter", required=True, help="source checkpoint directory")
+    e.add_argument("--out", required=True, help="destination directory")
+    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="storage dtype of the weights")
+    e.add_argument("--model", default="smollm2-135m-instruct", help="the target whose embedding / LM head the drafter shares")
+    e.set_defaults(func=cmd_export)
 
-__all__ = ["add_train_parsers", "cmd_cache", "cmd_calibrate", "cmd_train"]
+
+__all__ = ["add_train_parsers", "cmd_cache", "cmd_calibrate", "cmd_export", "cmd_train"]

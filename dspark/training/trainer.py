@@ -24,7 +24,14 @@ Run directory:
     final/                            the drafter checkpoint to calibrate and serve
 
 Algorithms plug in through `DrafterAlgorithm` (build a model, compute a loss on a TrainBatch,
-save it): only "dspark" exists now; "dflash" and "eagle3" add a model + loss there.
+save it), all on the same cache, anchors, target layers and block size (the comparison of
+DSPARK.md §6):
+    dspark   the DSpark loss above
+    dflash   the parallel backbone alone, CE with position weights w_k = exp(-(k-1)/γ_w) (DFlash Eq. 4)
+    eagle3   one layer, training-time test over γ steps: Σ_j 0.8^(j-1) · soft CE of step j against
+             p_t (EAGLE-3's training code); `layers` must be 1
+Every algorithm logs the same diagnostics (tv, acc, tau, acc_per_pos: the analytic acceptance of
+its teacher-forced drafts against p_t), so the runs' logs compare directly.
 """
 
 from __future__ import annotations
@@ -46,16 +53,25 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from dspark.drafters import dflash, eagle3
+from dspark.drafters.dflash.config import DFlashConfig
+from dspark.drafters.dflash.model import DFlashDrafter
 from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.eagle3.config import Eagle3Config
+from dspark.drafters.eagle3.model import Eagle3Drafter
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import TrainBatch, plan_batches, sample_batch
 from dspark.training.losses import (
+    acceptance_rate,
+    ce_loss,
     dspark_loss,
     expected_acceptance,
     expected_accepted_length,
+    position_weights,
     target_probs_from_hidden,
+    weighted_mean,
 )
 from dspark.training.target_cache import TargetCache
 
@@ -105,6 +121,8 @@ class TrainConfig:
         for name in ("batch_seqs", "anchors_per_seq", "layers", "block_size", "markov_rank", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.algo == "eagle3" and self.layers != 1:
+            raise ValueError(f"EAGLE-3 is a one-layer drafter: layers must be 1, got {self.layers}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -128,7 +146,7 @@ class StepLoss:
 
 
 class DrafterAlgorithm(Protocol):
-    """What the trainer needs from a drafter family (dspark now; dflash, eagle3 next)."""
+    """What the trainer needs from a drafter family (dspark, dflash, eagle3)."""
 
     def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> nn.Module: ...
 
@@ -173,7 +191,83 @@ class DSparkAlgorithm:
         return load_checkpoint(directory, shared=shared, device=device).drafter
 
 
-ALGORITHMS: dict[str, DrafterAlgorithm] = {"dspark": DSparkAlgorithm()}
+DIAGNOSTIC_DECAY = 4.0  # γ_w of the logged tv of the baselines (DSpark's default, so all logs weight alike)
+
+
+@torch.no_grad()
+def acceptance_metrics(draft_logits: torch.Tensor, batch: TrainBatch, lm_head: torch.Tensor, *, decay: float) -> dict[str, Any]:
+    """The diagnostics every algorithm logs, from its teacher-forced draft logits [n, γ, V] of the
+    valid blocks: tv (weighted mean ‖p_d - p_t‖₁, as L_tv), acc (mean c* = 1 - TV), tau (expected
+    accepted length 1 + Σ_k Π_{i<=k} c*_i) and acc_per_pos."""
+    valid = batch.blocks.block_valid
+    n, gamma, vocab = draft_logits.shape
+    mask = batch.label_mask[valid]  # [n, γ]
+    p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), lm_head).view(n, gamma, vocab)
+    p_d = torch.softmax(draft_logits.float(), dim=-1)
+    c_star = acceptance_rate(p_d, p_t)  # [n, γ]
+    tv = weighted_mean((p_d - p_t).abs().sum(-1), position_weights(gamma, decay=decay, device=p_d.device), mask)
+    return {
+        "tv": tv.item(), "acc": float((c_star * mask).sum() / mask.sum().clamp_min(1)),
+        "tau": expected_accepted_length(c_star, mask).item(),
+        "acc_per_pos": [round(float(a), 4) for a in expected_acceptance(c_star, mask)],
+    }
+
+
+class DFlashAlgorithm:
+    """DFlash: the parallel backbone over [x_0, mask × γ], cross-entropy with position weights."""
+
+    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> DFlashDrafter:
+        cfg = DFlashConfig.from_target(target_config, target_layer_ids=cache.capture_layers, num_layers=config.layers,
+                                       block_size=config.block_size)
+        return DFlashDrafter(cfg, shared=shared)
+
+    def loss(self, model: DFlashDrafter, batch: TrainBatch) -> StepLoss:
+        valid = batch.blocks.block_valid  # [rows, nb]: padding blocks carry no loss
+        logits = model(batch.blocks)[valid]  # [n, γ, V]
+        weights = position_weights(logits.shape[1], decay=model.config.position_decay, device=logits.device)
+        ce = ce_loss(logits, batch.target_tokens[valid], weights, batch.label_mask[valid])  # DFlash Eq. 4
+        metrics = {"loss": ce.item(), "ce": ce.item(), **acceptance_metrics(logits, batch, model.shared.lm_head, decay=DIAGNOSTIC_DECAY)}
+        return StepLoss(total=ce, metrics=metrics)
+
+    def save(self, model: DFlashDrafter, directory: Path) -> None:
+        dflash.save_checkpoint(directory, drafter=model)
+
+    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> DFlashDrafter:
+        return dflash.load_checkpoint(directory, shared=shared, device=device)
+
+
+class Eagle3Algorithm:
+    """EAGLE-3: one layer over fused target features, training-time test over γ steps."""
+
+    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> Eagle3Drafter:
+        cfg = Eagle3Config.from_target(target_config, target_layer_ids=cache.capture_layers, block_size=config.block_size)
+        return Eagle3Drafter(cfg, shared=shared)
+
+    def loss(self, model: Eagle3Drafter, batch: TrainBatch) -> StepLoss:
+        if batch.context_token_ids is None:
+            raise ValueError("EAGLE-3 reads the context's tokens: the batch has no context_token_ids (build it with build_batch)")
+        out = model(batch.blocks, context_token_ids=batch.context_token_ids, target_tokens=batch.target_tokens)
+        valid = batch.blocks.block_valid
+        logits = out.logits[valid]  # [n, γ, V]: step j's logits of x_j
+        n, gamma, vocab = logits.shape
+        mask = batch.label_mask[valid].to(logits.dtype)  # [n, γ]
+        with torch.no_grad():
+            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head).view(n, gamma, vocab)
+        soft_ce = -(p_t * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [n, γ] cross-entropy against p_t
+        per_step = (soft_ce * mask).sum(0) / mask.sum(0).clamp_min(1)  # [γ] mean over blocks with a label
+        step_weights = model.config.step_decay ** torch.arange(gamma, dtype=torch.float32, device=logits.device)
+        total = (step_weights * per_step).sum()  # EAGLE-3: Σ_j 0.8^(j-1) L_j
+        metrics = {"loss": total.item(), "ce": total.item(), **acceptance_metrics(logits, batch, model.shared.lm_head, decay=DIAGNOSTIC_DECAY)}
+        return StepLoss(total=total, metrics=metrics)
+
+    def save(self, model: Eagle3Drafter, directory: Path) -> None:
+        eagle3.save_checkpoint(directory, drafter=model)
+
+    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> Eagle3Drafter:
+        return eagle3.load_checkpoint(directory, shared=shared, device=device)
+
+
+ALGORITHMS: dict[str, DrafterAlgorithm] = {"dspark": DSparkAlgorithm(), "dflash": DFlashAlgorithm(), "eagle3": Eagle3Algorithm()}
 
 
 # ---- schedule -----------------------------------------------------------------------------------
@@ -426,6 +520,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "ALGORITHMS", "DSparkAlgorithm", "DrafterAlgorithm", "StepLoss", "TrainConfig", "TrainResult", "batch_schedule",
-    "learning_rate", "load_optimizer", "read_metrics", "save_optimizer", "total_steps", "train",
+    "ALGORITHMS", "DFlashAlgorithm", "DSparkAlgorithm", "DrafterAlgorithm", "Eagle3Algorithm", "StepLoss", "TrainConfig",
+    "TrainResult", "acceptance_metrics", "batch_schedule", "learning_rate", "load_optimizer", "read_metrics", "save_optimizer", "total_steps", "train",
 ]

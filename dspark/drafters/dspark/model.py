@@ -1,9 +1,10 @@
 """The DSpark drafter: parallel backbone (DFlash-style KV injection) + sequential heads.
 
 This module owns the block layout (`DraftBlock`, `BlockBatch`), the attention mask that
-enforces the leakage rule (`block_attention_mask`), the draft layers and `DSparkDrafter`,
-which composes them with the heads of heads.py in two modes: `forward` (teacher-forced,
-training) and `draft` (sampling, serving).
+enforces the leakage rule (`block_attention_mask`), the draft layers, `ParallelBackbone` (the
+KV-injected backbone, shared with the DFlash baseline of dspark.drafters.dflash) and
+`DSparkDrafter`, which composes it with the heads of heads.py in two modes: `forward`
+(teacher-forced, training) and `draft` (sampling, serving).
 
 One block (DSPARK.md §2-3), anchor x_0 at absolute position t, γ = block_size:
   * context features  H_ctx = RMSNorm(W_c [H(l_1); ...; H(l_m)])  [ctx_len, hidden], from the
@@ -250,19 +251,27 @@ class TeacherForcedOutput:
     hidden: torch.Tensor  # [rows, blocks_per_row, γ, hidden] h_k (final-normed)
 
 
-class DSparkDrafter(nn.Module):
-    """Trainable: W_c + context norm, the draft layers, the final norm, the sequential head, the
-    confidence head. Referenced, frozen: the target's embedding and LM head (`shared`)."""
+class ParallelBackbone(nn.Module):
+    """The parallel backbone DSpark shares with the DFlash baseline: W_c + context norm, the
+    KV-injected draft layers, the final norm (trainable); the target's embedding and LM head
+    (`shared`, referenced, frozen).
 
-    def __init__(self, config: DSparkConfig, *, shared: SharedWeights):
+    A block is `block_len` positions [embed(x_0), embed(mask) × (block_len - 1)] at t .. t +
+    block_len - 1, bidirectional inside, context positions < t injected into every layer. DSpark
+    uses block_len = γ (the anchor position is its first prediction); DFlash uses γ + 1 (the
+    anchor predicts nothing, the γ masks do). `config` is DSparkConfig or any flat config with
+    the same draft-layer geometry fields (dspark.drafters.dflash.DFlashConfig)."""
+
+    def __init__(self, config: DSparkConfig, *, shared: SharedWeights, block_len: int):
         super().__init__()
         c = self.config = config
+        if block_len < 1:
+            raise ValueError(f"block_len must be >= 1, got {block_len}")
+        self.block_len = block_len
         self.context_proj = nn.Linear(c.num_context_layers * c.hidden_size, c.hidden_size, bias=False)  # W_c
         self.context_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers))
         self.final_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
-        self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank)
         # rope_inv_freq reads head_dim / rope_theta / rope_scaling, which DSparkConfig names as ModelConfig does
         self.register_buffer("inv_freq", rope_inv_freq(c), persistent=False)  # [head_dim // 2], derived: not saved
         self.attach_shared(shared)
@@ -285,16 +294,17 @@ class DSparkDrafter(nn.Module):
         return rms_norm(self.context_proj(flat), self.context_norm, self.config.rms_norm_eps)
 
     def block_embeddings(self, anchor_tokens: torch.Tensor) -> torch.Tensor:
-        # anchor_tokens: [...] -> [..., γ, hidden]: [embed(x_0), embed(mask) × (γ-1)]
-        ids = torch.full((*anchor_tokens.shape, self.config.block_size), self.config.mask_token_id,
+        # anchor_tokens: [...] -> [..., block_len, hidden]: [embed(x_0), embed(mask) × (block_len-1)]
+        ids = torch.full((*anchor_tokens.shape, self.block_len), self.config.mask_token_id,
                          dtype=torch.long, device=anchor_tokens.device)
         ids[..., 0] = anchor_tokens
         return F.embedding(ids, self.shared.embed).float()
 
     def encode(self, batch: BlockBatch, *, block_embeddings: torch.Tensor | None = None) -> torch.Tensor:
-        """The parallel backbone: hidden h_1..h_γ [rows, blocks_per_row, γ, hidden].
+        """The parallel backbone: final-normed hidden states [rows, blocks_per_row, block_len, hidden]
+        (DSpark: h_1..h_γ).
 
-        block_embeddings: [rows, blocks_per_row, γ, hidden] to override the block input (tests)."""
+        block_embeddings: [rows, blocks_per_row, block_len, hidden] to override the block input (tests)."""
         self._check_batch(batch)
         ctx_len = batch.context.shape[1]
         kv = self.context_kv(batch.context, positions=torch.arange(ctx_len, device=batch.context.device))
@@ -322,24 +332,54 @@ class DSparkDrafter(nn.Module):
         anchor_tokens: torch.Tensor,  # [rows, blocks_per_row] int64
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [rows, L, kv_heads, head_dim] x 2
         block_embeddings: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # [rows, blocks_per_row, γ, hidden]
+    ) -> torch.Tensor:  # [rows, blocks_per_row, block_len, hidden]
         """The backbone from precomputed context keys/values; context positions >= an anchor are
         masked (leakage rule), so rows may be padded to a common L with anything."""
-        c = self.config
+        c, block_len = self.config, self.block_len
         rows, num_blocks = anchor_positions.shape
         ctx_len = context_kv[0][0].shape[1]
         x = self.block_embeddings(anchor_tokens) if block_embeddings is None else block_embeddings
-        x = x.reshape(rows, num_blocks * c.block_size, c.hidden_size)  # [rows, Q, hidden]
-        block_rope = _rope_cos_sin(block_positions(anchor_positions, c.block_size).flatten(1), self.inv_freq)
-        mask = block_attention_mask(anchor_positions, context_len=ctx_len, block_size=c.block_size).unsqueeze(1)
+        x = x.reshape(rows, num_blocks * block_len, c.hidden_size)  # [rows, Q, hidden]
+        block_rope = _rope_cos_sin(block_positions(anchor_positions, block_len).flatten(1), self.inv_freq)
+        mask = block_attention_mask(anchor_positions, context_len=ctx_len, block_size=block_len).unsqueeze(1)
         for layer, kv in zip(self.layers, context_kv):
             x = layer(x, kv, block_rope, mask)
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
-        return x.view(rows, num_blocks, c.block_size, c.hidden_size)
+        return x.view(rows, num_blocks, block_len, c.hidden_size)
 
     def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., hidden] -> U [..., V] fp32 through the frozen shared LM head
         return hidden.float() @ self.shared.lm_head.float().t()
+
+    def _check_batch(self, batch: BlockBatch) -> None:
+        c = self.config
+        m, d = c.num_context_layers, c.hidden_size
+        if batch.context.dim() != 4 or tuple(batch.context.shape[2:]) != (m, d):
+            raise ValueError(f"batch.context must be [rows, ctx_len, m={m}, hidden={d}], got {list(batch.context.shape)}")
+        pos, lens = batch.anchor_positions, batch.context_lens.unsqueeze(1)  # [rows, nb], [rows, 1]
+        bad = batch.block_valid & ((pos < 0) | (pos > lens))
+        if bool(bad.any()):
+            raise ValueError(f"valid anchors need 0 <= t <= context length of their row; got anchors {pos[bad].tolist()}")
+        tokens = batch.anchor_tokens
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size):
+            raise ValueError(f"anchor tokens must be in [0, {c.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]")
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """What the optimizer updates: every parameter (the shared tensors are not parameters)."""
+        return [p for p in self.parameters() if p.requires_grad]
+
+
+class DSparkDrafter(ParallelBackbone):
+    """DSpark: the parallel backbone over [x_0, mask × (γ-1)] (block_len = γ) plus the sequential
+    head and the confidence head. Trainable: the backbone's W_c + context norm, draft layers and
+    final norm, the sequential head, the confidence head. Referenced, frozen: the target's
+    embedding and LM head (`shared`)."""
+
+    def __init__(self, config: DSparkConfig, *, shared: SharedWeights):
+        super().__init__(config, shared=shared, block_len=config.block_size)
+        c = config
+        self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
+        self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank)
 
     # ---- the two modes ---------------------------------------------------------------------
 
@@ -389,25 +429,8 @@ class DSparkDrafter(nn.Module):
             generator=generator,
         )
 
-    def _check_batch(self, batch: BlockBatch) -> None:
-        c = self.config
-        m, d = c.num_context_layers, c.hidden_size
-        if batch.context.dim() != 4 or tuple(batch.context.shape[2:]) != (m, d):
-            raise ValueError(f"batch.context must be [rows, ctx_len, m={m}, hidden={d}], got {list(batch.context.shape)}")
-        pos, lens = batch.anchor_positions, batch.context_lens.unsqueeze(1)  # [rows, nb], [rows, 1]
-        bad = batch.block_valid & ((pos < 0) | (pos > lens))
-        if bool(bad.any()):
-            raise ValueError(f"valid anchors need 0 <= t <= context length of their row; got anchors {pos[bad].tolist()}")
-        tokens = batch.anchor_tokens
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size):
-            raise ValueError(f"anchor tokens must be in [0, {c.vocab_size}), got range [{int(tokens.min())}, {int(tokens.max())}]")
-
-    def trainable_parameters(self) -> list[nn.Parameter]:
-        """What the optimizer updates: every parameter (the shared tensors are not parameters)."""
-        return [p for p in self.parameters() if p.requires_grad]
-
 
 __all__ = [
-    "BlockBatch", "DSparkDrafter", "DraftBlock", "DraftLayer", "SharedWeights", "TeacherForcedOutput",
+    "BlockBatch", "DSparkDrafter", "DraftBlock", "DraftLayer", "ParallelBackbone", "SharedWeights", "TeacherForcedOutput",
     "block_attention_mask", "block_positions",
 ]

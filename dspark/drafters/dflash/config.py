@@ -1,0 +1,139 @@
+"""The DFlash baseline's configuration: one flat frozen dataclass, JSON round trip with an "algo" field.
+
+DFlash is DSpark's parallel backbone in its original form, so its draft-layer geometry has the
+same fields, defaults and validation as `DSparkConfig` (the same target layers, mask row and
+target geometry by default: `DFlashConfig.from_target(target_cfg, **overrides)`); it has no
+sequential or confidence head, and its loss is cross-entropy alone with position weights
+w_k = exp(-(k-1)/γ_w) (DFlash Eq. 4; its recipe pairs γ_w = 4 with a block of 8 inputs, i.e.
+γ = 7 drafts, 5 with 10 and 7 with 16).
+
+    cfg = DFlashConfig.from_target(ModelConfig.from_dir(model_dir))    # 2 draft layers, γ = 7
+    assert DFlashConfig.from_json(cfg.to_json()) == cfg
+    cfg = DFlashConfig.tiny()                                            # unit tests
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dspark.drafters.dspark.config import DSparkConfig
+from dspark.model.config import ModelConfig
+
+ALGO = "dflash"
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    # ---- shared with the target (embedding / LM head / RoPE) -------------------------------
+    vocab_size: int
+    hidden_size: int  # must equal the target's: the embedding and LM head are the target's
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs form H_ctx, in concat order
+    mask_token_id: int  # embedding row fed at block positions 1..γ (the frozen target row)
+    # ---- draft layers (default: the target's geometry) -------------------------------------
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    qk_norm: bool = False
+    num_layers: int = 2
+    block_size: int = 7  # γ draft tokens; the block holds γ + 1 inputs: x_0 and γ masks
+    # ---- training loss ---------------------------------------------------------------------
+    position_decay: float = 4.0  # γ_w in w_k = exp(-(k-1)/γ_w) (DFlash: 4 for its block of 8)
+
+    def __post_init__(self) -> None:
+        # The backbone is DSpark's: validate the geometry by exactly DSpark's rules.
+        self.backbone_geometry()
+
+    # ---- derived ---------------------------------------------------------------------------
+
+    @property
+    def algo(self) -> str:
+        return ALGO
+
+    @property
+    def block_len(self) -> int:  # inputs per block: x_0 + γ masks
+        return self.block_size + 1
+
+    @property
+    def num_context_layers(self) -> int:  # m
+        return len(self.target_layer_ids)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def backbone_geometry(self) -> DSparkConfig:
+        """The same backbone as a DSparkConfig (raises ValueError on an invalid geometry)."""
+        shared = {f.name for f in dataclasses.fields(DSparkConfig)} & {f.name for f in dataclasses.fields(self)}
+        return DSparkConfig(**{name: getattr(self, name) for name in shared})
+
+    # ---- constructors ----------------------------------------------------------------------
+
+    @classmethod
+    def from_target(cls, target: ModelConfig, **overrides: Any) -> DFlashConfig:
+        """The target's geometry and DSpark's defaults (5 evenly spread target layers, the last
+        vocabulary row as the mask), then `overrides`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - names
+        if unknown:
+            raise ValueError(f"unknown DFlashConfig fields {sorted(unknown)}")
+        defaults = DSparkConfig.from_target(target)
+        base: dict[str, Any] = {name: getattr(defaults, name) for name in names if hasattr(defaults, name)}
+        base["position_decay"] = cls.position_decay
+        base.update(overrides)
+        base["target_layer_ids"] = tuple(base["target_layer_ids"])
+        cfg = cls(**base)
+        cfg.check_target(target)
+        return cfg
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> DFlashConfig:
+        """For unit tests: matches `ModelConfig.tiny()`, γ = 4, context from target layers (1, 3)."""
+        base: dict[str, Any] = {"block_size": 4, "target_layer_ids": (1, 3)}
+        base.update(overrides)
+        return cls.from_target(ModelConfig.tiny(), **base)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
+        self.backbone_geometry().check_target(target)
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target_layer_ids"] = list(self.target_layer_ids)
+        return {"algo": ALGO, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        d = dict(d)
+        algo = d.pop("algo", None)
+        if algo != ALGO:
+            raise ValueError(f"not a DFlash config: algo is {algo!r}, expected {ALGO!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown DFlashConfig fields {sorted(unknown)}; expected a subset of {sorted(names)}")
+        if "target_layer_ids" in d:
+            d["target_layer_ids"] = tuple(int(l) for l in d["target_layer_ids"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DFlashConfig:
+        return cls.from_dict(json.loads(text))
+
+
+__all__ = ["ALGO", "DFlashConfig"]

@@ -1,0 +1,84 @@
+"""The DFlash drafter behind the engine's `Drafter` contract (serving mode).
+
+The per-request context cache is DSpark's (`DSparkServingDrafter`: every draft layer's
+context keys/values of the verified positions, projected once in `observe`), since the
+backbone is the same. A round: one parallel backbone forward over all requests' blocks
+[x_0, mask × γ]; each request then draws its x_1..x_γ independently from the γ mask
+positions' own softmaxes, with its own generator and temperature (argmax at T = 0), and the
+proposal carries those very rows. No confidences: DFlash has no confidence head, so the
+draft-length policies that need them (threshold, dspark) refuse it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.dflash.checkpoint import load_checkpoint
+from dspark.drafters.dflash.model import DFlashDrafter
+from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
+from dspark.drafters.dspark.model import SharedWeights
+from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.model.transformer import Transformer
+
+
+class DFlashServingDrafter(DSparkServingDrafter):
+    name = "dflash"
+    needs_hidden_states = True
+    provides_confidences = False
+
+    def __init__(
+        self,
+        model: DFlashDrafter,
+        *,
+        top_k: int = 0,  # truncate the drafter's rows (sparse on the wire); 0 = full softmax
+        top_p: float = 1.0,
+        logits_fn=None,  # hidden [n, d] -> U [n, V]: the target's packed LM head; None = the model's own matmul
+    ):
+        super().__init__(model, temperatures=None, top_k=top_k, top_p=top_p, logits_fn=logits_fn)
+
+    @classmethod
+    def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DFlashServingDrafter:
+        model = load_checkpoint(path, shared=SharedWeights.from_target(target))
+        model.config.check_target(target.config)
+        return cls(model, top_k=top_k, top_p=top_p, logits_fn=target.compute_logits)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = [DraftProposal.empty() for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.max_draft_tokens > 0]
+        if not active:
+            return out
+        anchors = []
+        for i in active:
+            req = requests[i]
+            t = len(req.token_ids) - 1  # the anchor's position
+            if self._lengths.get(req.request_id) != t:
+                raise RuntimeError(
+                    f"request {req.request_id!r}: the drafter has features of {self._lengths.get(req.request_id, 0)} "
+                    f"positions, the anchor sits at {t}; the engine must observe() every verified position"
+                )
+            anchors.append(t)
+        ids = [requests[i].request_id for i in active]
+        hidden = self.model.encode_with_context_kv(
+            anchor_positions=torch.tensor(anchors).unsqueeze(1),  # [n, 1]
+            anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active]).unsqueeze(1),  # [n, 1]
+            context_kv=self._batched_context_kv(ids, anchors),
+        )[:, 0, 1:]  # [n, γ, hidden]: the mask positions (the anchor's own output predicts nothing)
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [n * γ, hidden]
+        logits = (self.logits_fn(flat) if self.logits_fn is not None else self.model.base_logits(flat)).view(*hidden.shape[:2], -1)
+        vocab = logits.shape[-1]
+        for row, i in enumerate(active):
+            req = requests[i]
+            k = req.max_draft_tokens
+            temperature = req.params.temperature
+            tokens, probs = draw_tokens(logits[row, :k], temperature=temperature, top_k=self.top_k, top_p=self.top_p,
+                                        generator=req.generator)
+            truncated = is_truncated(temperature=temperature, top_k=self.top_k, top_p=self.top_p, vocab_size=vocab)
+            out[i] = to_proposal(tokens, probs, truncated=truncated)
+        return out
+
+
+__all__ = ["DFlashServingDrafter"]

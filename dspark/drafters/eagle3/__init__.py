@@ -1,0 +1,20 @@
+"""The EAGLE-3 baseline (DSPARK.md §6): one autoregressive decoder layer over fused target features.
+
+    config.py      Eagle3Config (flat, frozen, JSON with "algo": "eagle3", `from_target`, `tiny`)
+    model.py       Eagle3Drafter: fc fusion of the captured target layers, the decoder layer over
+                   [embed(x_p) ; feature], the training-time-test unroll (`forward`)
+    checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON)
+    serving.py     Eagle3ServingDrafter: the engine's Drafter (fused features + a small KV cache per
+                   request, γ sequential steps per round)
+
+Training: `dspark train --algo eagle3` (TTT over γ steps, soft cross-entropy against p_t with
+step weights 0.8^(j-1); dspark/training/trainer.py). Tests: python -m pytest tests/drafters/test_eagle3*.py -q
+"""
+
+from __future__ import annotations
+
+from dspark.drafters.eagle3.checkpoint import load_checkpoint, save_checkpoint
+from dspark.drafters.eagle3.config import Eagle3Config
+from dspark.drafters.eagle3.model import Eagle3Drafter, TTTOutput
+
+__all__ = ["Eagle3Config", "Eagle3Drafter", "TTTOutput", "load_checkpoint", "save_checkpoint"]
