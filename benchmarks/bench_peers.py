@@ -1,0 +1,140 @@
+"""Single requests against peers (issue #6, item 5): `transformers` `generate()` plain and with
+prompt lookup, against our engine with no drafter and with the DSpark drafter; greedy, same
+prompts, same machine, one run.
+
+    python benchmarks/bench_peers.py --benchmarks gsm8k,humaneval,mt-bench --prompts 4 --max-tokens 96 \\
+        --repeats 3 --drafter-path runs/dspark/final --csv docs/results/peers.csv
+
+One request at a time (single-user latency), every request generating exactly --max-tokens new
+tokens (no early stop) so that every decoder does the same work. Ratios are taken within each
+repeat (same machine state) against ours with no drafter, and the median over repeats is
+reported, as in bench_decode.py, whose runners this reuses. The DSpark row runs the drafter at
+--gamma with --policy (default `dspark`, Algorithm 1 on an SPS(B) profile measured first; `all`
+verifies every draft); it is left out, with a note, when no checkpoint is given or shipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+import torch
+from bench_decode import run_engine, run_hf
+from common import load_prompts, median, print_table
+
+from dspark.drafters import drafter_capture_layers, make_drafter
+from dspark.drafters.shipped import shipped_checkpoint
+from dspark.engine.speculative import SpeculativeEngine
+from dspark.model.target_runtime import TargetConfig, TargetRuntime
+from dspark.model.tokenizer import Tokenizer
+from dspark.profiling.sps import profile_sps
+from dspark.scheduling.policies import parse_policy
+
+CSV_COLUMNS = ("decoder", "tokens_per_s", "x_ours_none", "accepted_length", "benchmarks", "prompts", "max_tokens", "repeats")
+
+
+def dspark_engine(runtime: TargetRuntime, path: str, *, gamma: int, policy: str) -> SpeculativeEngine:
+    """Our engine with the DSpark drafter at `gamma`; `policy` "all" verifies every draft."""
+    policy_obj = None if policy == "all" else parse_policy(policy)
+    engine = SpeculativeEngine(runtime, make_drafter("dspark", runtime=runtime, path=path), num_speculative_tokens=gamma,
+                               policy=policy_obj)
+    if policy_obj is not None and policy_obj.needs_sps_profile:  # as `dspark generate` and `dspark serve` do
+        engine.sps_profile = profile_sps(runtime, max_batch=2 * (gamma + 1), tokens_per_request=gamma + 1)
+    return engine
+
+
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(CSV_COLUMNS), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--benchmarks", default="gsm8k,humaneval,mt-bench", help="comma-separated sets of ../shared/data/eval")
+    ap.add_argument("--prompts", type=int, default=4, help="first-turn prompts per benchmark")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gamma", type=int, default=7, help="draft tokens per round: DSpark's block and prompt lookup's")
+    ap.add_argument("--drafter-path", default=None, help="DSpark checkpoint directory (default: the shipped one, if any)")
+    ap.add_argument("--policy", default="dspark", help="DSpark row: none | fixed:K | threshold:C | dspark | dspark-async | all")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
+    ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes, comma-separated (float32 is its default)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--csv", default=None, help="also write the table here")
+    args = ap.parse_args()
+
+    benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    drafter_path = args.drafter_path or shipped_checkpoint("dspark")
+    try:
+        if args.policy != "all":
+            parse_policy(args.policy)
+        hf_dtypes = [getattr(torch, d.strip(), None) for d in args.hf_dtypes.split(",") if d.strip()]
+        if not all(isinstance(d, torch.dtype) for d in hf_dtypes):
+            raise ValueError(f"--hf-dtypes must name torch dtypes (float32, bfloat16), got {args.hf_dtypes!r}")
+        capture = drafter_capture_layers("dspark", drafter_path) if drafter_path else None
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, capture_layers=capture))
+    tokenizer = Tokenizer(runtime.model_dir)
+    prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}])
+                  for b in benchmarks for p in load_prompts(b, args.prompts)]
+    engines = {"ours none": SpeculativeEngine(runtime, None)}
+    if drafter_path:
+        engines[f"ours dspark γ={args.gamma} {args.policy}"] = dspark_engine(runtime, str(drafter_path), gamma=args.gamma,
+                                                                            policy=args.policy)
+    else:
+        print("note: no DSpark checkpoint (--drafter-path, none shipped): the dspark row is left out", file=sys.stderr)
+    hf = {}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        for dtype in hf_dtypes:
+            model = AutoModelForCausalLM.from_pretrained(str(runtime.model_dir), dtype=dtype).eval()
+            name = str(dtype).removeprefix("torch.")
+            hf[f"transformers generate {name}"] = (model, {})
+            hf[f"transformers prompt lookup {name} ({args.gamma})"] = (model, {"prompt_lookup_num_tokens": args.gamma})
+    for engine in engines.values():
+        run_engine(engine, prompt_ids[:1], 8, None)  # warm-up
+    for model, kwargs in hf.values():
+        run_hf(model, prompt_ids[:1], 8, **kwargs)
+
+    repeats = []
+    for rep in range(args.repeats):
+        speed, tau = {}, {}
+        for name, engine in engines.items():
+            s, n, tau[name] = run_engine(engine, prompt_ids, args.max_tokens, None)
+            speed[name] = n / s
+        for name, (model, kwargs) in hf.items():
+            s, n = run_hf(model, prompt_ids, args.max_tokens, **kwargs)
+            speed[name] = n / s
+        repeats.append((speed, tau))
+        print(f"repeat {rep}: " + ", ".join(f"{k}={v:.2f}" for k, v in speed.items()), flush=True)
+
+    names = list(repeats[0][0])
+    rows = []
+    for name in names:
+        tau = median([r[1][name] for r in repeats]) if name in repeats[0][1] else None
+        rows.append({"decoder": name, "tokens_per_s": round(median([r[0][name] for r in repeats]), 2),
+                     "x_ours_none": round(median([r[0][name] / r[0]["ours none"] for r in repeats]), 3),
+                     "accepted_length": "" if tau is None or name == "ours none" else round(tau, 3),
+                     "benchmarks": "+".join(benchmarks), "prompts": len(prompt_ids), "max_tokens": args.max_tokens,
+                     "repeats": args.repeats})
+    print(f"\n{'+'.join(benchmarks)}, {len(prompt_ids)} prompts x {args.max_tokens} new tokens, greedy, one request at a "
+          f"time, median of {args.repeats} repeats")
+    print_table(["decoder", "tok/s", "x ours none", "τ"],
+                [[r["decoder"], r["tokens_per_s"], r["x_ours_none"], r["accepted_length"] or "-"] for r in rows])
+    if args.csv:
+        write_csv(args.csv, rows)
+        print(f"wrote {args.csv}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
