@@ -1,15 +1,18 @@
-"""The OpenAI-compatible REST surface over an AsyncEngine: FastAPI app factory.
+"""The OpenAI-compatible REST surface over a Bus: FastAPI app factory.
 
-    app = create_app(async_engine, tokenizer, model_name="smollm2-135m-instruct", max_tokens_limit=2048)
-    uvicorn.run(app)                                   # gateway/server.py does this for `dspark serve`
+    app = create_app(bus, tokenizer, model_name="smollm2-135m-instruct", max_model_len=8192)
+    uvicorn.run(app)     # gateway/server.py (embedded, MemoryBus) or gateway/cli.py (RedisBus)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
 server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health.
 
-Text is produced by one `TextStream` per request for the streamed and the non-streamed path
-alike, so a non-streamed response is by construction the concatenation of the chunks the
-streamed one would send. Every 4xx/5xx body is OpenAI's `{"error": {message, type, param, code}}`;
-bad input never reaches the engine as a 500.
+A request is validated and tokenised here, submitted to the bus, and answered from its output
+stream (gateway/responses.py). The gateway holds no engine and no per-request state: every SSE
+event carries `id: <request id>/<event id>/<chunk>`, and a client that reconnects with that
+`Last-Event-ID` (same endpoint, `stream: true`) gets the rest of the same response, on any
+replica. A client that disconnects, or a stop string that ends the text, cancels the generation
+on the bus. Every 4xx/5xx body is OpenAI's `{"error": {message, type, param, code}}`; bad input
+never reaches a scheduler.
 """
 
 from __future__ import annotations
@@ -17,146 +20,58 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
+import anyio
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.engine.async_engine import AsyncEngine, EngineError, GenerationStats, RequestStream
-from dspark.engine.speculative import GenerationRequest
-from dspark.model.tokenizer import Tokenizer
+from dspark.bus.base import Bus, BusFull, DuplicateRequest, UnknownRequest
+from dspark.bus.messages import BusRequest, OutputEvent, is_valid_traceparent
 from dspark.sampling.params import SamplingParams
+from gateway.errors import ApiError, error_body, error_json
+from gateway.guard import RequestGuard
 from gateway.openai_schema import (
     ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
     ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorDetail,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    SpeculativeStats,
-    Usage,
     _GenerationParams,
 )
+from gateway.responses import ID_PREFIX, ChunkWriter, ResponseSpec, collect_text, event_error, speculative, usage
+from gateway.text_stream import TextStream
 
-__all__ = ["ApiError", "TextStream", "create_app"]
+__all__ = ["ApiError", "TextStream", "create_app", "parse_sse"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256
+HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
 
 
-# ---- incremental detokenisation with stop strings ------------------------------------------
+class GatewayTokenizer(Protocol):
+    """What the gateway needs of a tokenizer (dspark.model.tokenizer.Tokenizer has it)."""
+
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def decode(self, token_ids: list[int]) -> str: ...
 
 
-class TextStream:
-    """Token ids in, stable text out, cut at the first stop string.
-
-    Each push decodes the whole output so far and hands out only the new suffix that can no
-    longer change: a trailing U+FFFD (an incomplete UTF-8 sequence split across tokens) is held
-    back, and so is a suffix that could be the start of a stop string. `finish()` releases what
-    was held. Everything handed out is a prefix of the final text.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str] = ()):
-        self._decode = decode
-        self._stop = [s for s in stop if s]
-        self._max_stop = max((len(s) for s in self._stop), default=0)
-        self.token_ids: list[int] = []
-        self.text = ""  # handed out so far
-        self.stopped = False  # a stop string was found; nothing more will be handed out
-
-    def push(self, token_ids: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.token_ids.extend(token_ids)
-        return self._advance(self._decode(self.token_ids).rstrip("\ufffd"), final=False)
-
-    def finish(self) -> str:
-        if self.stopped:
-            return ""
-        return self._advance(self._decode(self.token_ids), final=True)
-
-    def _advance(self, full: str, *, final: bool) -> str:
-        start = len(self.text)  # a stop string cannot start in text already handed out (it was held back)
-        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            return self._release(full[: min(hits)])
-        hold = 0
-        if not final:
-            for k in range(min(self._max_stop - 1, len(full) - start), 0, -1):
-                tail = full[-k:]
-                if any(s.startswith(tail) for s in self._stop):
-                    hold = k
-                    break
-        return self._release(full[: len(full) - hold])
-
-    def _release(self, upto: str) -> str:
-        # Decoding a longer sequence only ever appends to a byte-level BPE's text; if a tokenizer
-        # ever rewrote earlier text we cannot take back what was sent, so send only what is new.
-        new = upto[len(self.text):] if len(upto) > len(self.text) else ""
-        self.text += new
-        return new
-
-
-@dataclass
-class _Piece:
-    text: str
-    finish_reason: str | None  # set on the last piece only
-    stats: GenerationStats
-
-
-async def _pieces(stream: RequestStream, detok: TextStream) -> AsyncIterator[_Piece]:
-    """Text pieces of one request as rounds finish; the engine request is aborted when the
-    caller stops early (a stop string, a disconnected client)."""
-    try:
-        async for delta in stream:
-            text = detok.push(delta.new_token_ids)
-            if not detok.stopped and delta.finish_reason is not None:
-                text += detok.finish()
-            if detok.stopped:
-                yield _Piece(text, "stop", delta.stats)
-                return
-            if delta.finish_reason is not None:
-                yield _Piece(text, delta.finish_reason, delta.stats)
-                return
-            if text:
-                yield _Piece(text, None, delta.stats)
-    finally:
-        stream.abort()  # no-op once the engine finished it
-
-
-# ---- errors --------------------------------------------------------------------------------
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-
-def _error_response(status: int, message: str, *, type: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _error_event(e: ApiError) -> str:
-    body = ErrorResponse(error=ErrorDetail(message=e.message, type=e.type, param=e.param, code=e.code))
-    return f"data: {body.model_dump_json()}\n\n"
+class _ClientDisconnected(Exception):
+    pass
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -172,43 +87,72 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else msg), param
 
 
-# ---- the app -------------------------------------------------------------------------------
+def _parse_last_event_id(value: str) -> tuple[str, str, int]:
+    """`<request id>/<event id>/<chunk index>` -> its parts; ApiError 400 if malformed."""
+    parts = value.strip().rsplit("/", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1] or not parts[2].isdigit():
+        raise ApiError(400, f"Last-Event-ID {value[:100]!r} is not an event id this server sent "
+                            "(<request id>/<event id>/<chunk>)", code="invalid_last_event_id")
+    return parts[0], parts[1], int(parts[2])
+
+
+async def _chain(first: OutputEvent, rest: AsyncIterator[OutputEvent]) -> AsyncIterator[OutputEvent]:
+    yield first
+    async for event in rest:
+        yield event
+
+
+# ---- the app ---------------------------------------------------------------------------------
 
 
 def create_app(
-    engine: AsyncEngine,
-    tokenizer: Tokenizer,
+    bus: Bus,
+    tokenizer: GatewayTokenizer,
     *,
     model_name: str,
+    max_model_len: int,  # the model's context window: prompt + completion tokens
+    vocab_size: int | None = None,  # token ids in a token-id prompt must be below it (None: the scheduler checks)
     max_tokens_limit: int = 2048,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    max_prompt_tokens: int | None = None,  # None: the context window minus one
+    max_body_bytes: int = 1 << 20,
+    api_keys: Iterable[str] = (),  # empty: no authentication
+    accept_timeout_s: float | None = None,  # how long a request may wait for a scheduler to accept it
+    health: HealthCheck | None = None,  # default: the bus answers
+    lifespan=None,
 ) -> FastAPI:
-    """An app serving one model; the caller starts and shuts down `engine`."""
+    """An app serving one model over `bus`; the caller runs the schedulers (workers) on it."""
     if max_tokens_limit < 1:
         raise ValueError(f"max_tokens_limit must be >= 1, got {max_tokens_limit}")
-    app = FastAPI(title="dspark", summary="OpenAI-compatible API over DSpark speculative decoding")
-    app.state.engine = engine
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+    app = FastAPI(title="dspark", summary="OpenAI-compatible API over DSpark speculative decoding", lifespan=lifespan)
+    app.state.bus = bus
+    app.add_middleware(RequestGuard, api_keys=tuple(api_keys), max_body_bytes=max_body_bytes)
     default_max_tokens = min(default_max_tokens, max_tokens_limit)
+    prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return _error_response(400, message, type="invalid_request_error", param=param)
+        return JSONResponse(error_body(message, type="invalid_request_error", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
-        return _error_response(exc.status_code, str(exc.detail), type=kind, code=code)
+        return JSONResponse(error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code)
 
     @app.exception_handler(ApiError)
     async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+        return JSONResponse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code), status_code=exc.status)
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return _error_response(500, f"internal error: {exc!r}", type="server_error")
+        return JSONResponse(error_body(f"internal error: {exc!r}", type="server_error"), status_code=500)
 
     # ---- helpers closing over the served model ----
 
@@ -217,23 +161,30 @@ def create_app(
             raise ApiError(404, f"The model `{name}` does not exist; this server serves `{model_name}`.",
                            param="model", code="model_not_found")
 
-    def build_request(request_id: str, body: _GenerationParams, prompt_ids: list[int], prompt_param: str) -> GenerationRequest:
+    def build_request(spec: ResponseSpec, body: _GenerationParams, prompt_ids: list[int], prompt_param: str,
+                      traceparent: str | None) -> BusRequest:
         if not prompt_ids:
             raise ApiError(400, f"{prompt_param} is empty; at least one token is needed", param=prompt_param)
-        context = engine.max_model_len
-        if len(prompt_ids) >= context:
-            raise ApiError(400, f"This model's maximum context length is {context} tokens; the {prompt_param} has "
+        if vocab_size is not None:
+            bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if len(prompt_ids) >= max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens; the {prompt_param} has "
                                 f"{len(prompt_ids)} tokens, leaving no room for a completion.",
                            param=prompt_param, code="context_length_exceeded")
+        if len(prompt_ids) > prompt_limit:
+            raise ApiError(400, f"The {prompt_param} has {len(prompt_ids)} tokens; this server accepts at most {prompt_limit}.",
+                           param=prompt_param, code="prompt_too_long")
         if body.max_tokens is None:
-            max_tokens = min(default_max_tokens, context - len(prompt_ids))
+            max_tokens = min(default_max_tokens, max_model_len - len(prompt_ids))
         else:
             max_tokens = body.max_tokens
             if max_tokens > max_tokens_limit:
                 raise ApiError(400, f"max_tokens is {max_tokens}, this server allows at most {max_tokens_limit}",
                                param="max_tokens")
-            if len(prompt_ids) + max_tokens > context:
-                raise ApiError(400, f"This model's maximum context length is {context} tokens. However, you "
+            if len(prompt_ids) + max_tokens > max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                     f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
                                     f"{prompt_param}, {max_tokens} in the completion).",
                                param="max_tokens", code="context_length_exceeded")
@@ -246,75 +197,167 @@ def create_app(
             )
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return GenerationRequest(request_id, prompt_ids, max_tokens, params, stop_token_ids=tokenizer.eos_token_ids)
+        return BusRequest(spec.request_id, prompt_ids, max_tokens, params, stop_token_ids=tokenizer.eos_token_ids,
+                          traceparent=traceparent, metadata=spec.to_metadata())
 
-    async def submit(gen: GenerationRequest) -> RequestStream:
+    def new_spec(kind: str, body: _GenerationParams) -> ResponseSpec:
+        return ResponseSpec(kind=kind, request_id=f"{ID_PREFIX[kind]}{uuid.uuid4().hex}", model=model_name,
+                            created=int(time.time()), stop=tuple(body.stop_strings), include_usage=body.include_usage)
+
+    async def submit(bus_request: BusRequest) -> None:
         try:
-            return await engine.submit(gen)
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        except EngineError as e:
-            raise ApiError(503, str(e), type="server_error") from None
+            await bus.submit(bus_request)
+        except BusFull as e:
+            raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error", code="overloaded") from None
+        except DuplicateRequest as e:  # uuid4 ids: practically never
+            raise ApiError(409, str(e)) from None
+        except (ConnectionError, OSError) as e:
+            raise ApiError(503, f"the request bus is unavailable: {e}", type="server_error") from None
 
-    async def collect(request: Request, pieces: AsyncIterator[_Piece]) -> tuple[str, str, GenerationStats]:
-        """Run a non-streamed request to the end, aborting it if the client goes away."""
+    async def cancel_quietly(request_id: str, events: AsyncIterator[OutputEvent] | None = None) -> None:
+        """Cancel on the bus and close the tail, even while the caller is being cancelled."""
+        with anyio.move_on_after(5, shield=True):
+            if events is not None:
+                try:
+                    await events.aclose()
+                except Exception:
+                    log.debug("closing the tail of %r failed", request_id, exc_info=True)
+            try:
+                await bus.cancel(request_id)
+            except Exception:
+                log.exception("cancelling request %r on the bus failed", request_id)
 
-        async def run() -> tuple[str, str, GenerationStats]:
-            texts, last = [], None
-            async for piece in pieces:
-                texts.append(piece.text)
-                last = piece
-            return "".join(texts), last.finish_reason, last.stats
+    async def unless_disconnected(request: Request, work: Awaitable):
+        """Await `work`, raising _ClientDisconnected (and cancelling it) if the client leaves first."""
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        work, watch = asyncio.ensure_future(run()), asyncio.ensure_future(disconnected())
+        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED, timeout=None)
         finally:
             watch.cancel()
-            if not work.done():
-                work.cancel()  # the client left (or we were cancelled): _pieces aborts the request
-                await asyncio.gather(work, return_exceptions=True)
-                await pieces.aclose()
-        if work.cancelled():
-            raise ApiError(499, "client disconnected")
-        try:
-            return work.result()
-        except ValueError as e:  # the engine could not admit it after all
-            raise ApiError(400, str(e)) from None
-        except EngineError as e:
-            raise ApiError(500, str(e), type="server_error") from None
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise _ClientDisconnected
+        return task.result()
 
-    async def sse(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def first_event(events: AsyncIterator[OutputEvent]) -> OutputEvent:
         try:
-            async for e in events:
-                yield e
-        except ValueError as e:  # the engine could not admit it after all
-            yield _error_event(ApiError(400, str(e)))
+            if accept_timeout_s is None:
+                return await anext(events)
+            return await asyncio.wait_for(anext(events), accept_timeout_s)
+        except TimeoutError:
+            raise ApiError(503, f"no scheduler accepted the request within {accept_timeout_s} s", type="server_error",
+                           code="scheduler_timeout") from None
+        except StopAsyncIteration:
+            raise ApiError(500, "the request's output stream ended without any event", type="server_error") from None
+        except UnknownRequest as e:
+            raise ApiError(500, f"the request disappeared from the bus: {e}", type="server_error") from None
+
+    async def run(request: Request, spec: ResponseSpec, bus_request: BusRequest, stream: bool):
+        """Submit and answer: the whole body, or the SSE response (after the first event, so a
+        request the scheduler refuses still gets its 4xx status)."""
+        await submit(bus_request)
+        events = bus.tail(spec.request_id)
+        done = False
+        try:
+            first = await unless_disconnected(request, first_event(events))
+            if first.finish_reason in ("error", "cancelled"):
+                done = True
+                raise event_error(first)
+            if stream:
+                done = True  # the SSE generator owns the request from here
+                return sse_response(spec, _chain(first, events), resume=None)
+            collected = await unless_disconnected(request, collect_text(_chain(first, events), spec, tokenizer.decode))
+            done = collected.reached_final_event
+        except _ClientDisconnected:
+            raise ApiError(499, "client disconnected") from None
+        finally:
+            if not done:
+                await cancel_quietly(spec.request_id, events)
+        if spec.kind == "completion":
+            return CompletionResponse(
+                id=spec.request_id, model=model_name, created=spec.created,
+                choices=[CompletionChoice(text=collected.text, finish_reason=collected.finish_reason)],
+                usage=usage(collected.stats), speculative=speculative(collected.stats),
+            ).model_dump()
+        return ChatCompletionResponse(
+            id=spec.request_id, model=model_name, created=spec.created,
+            choices=[ChatChoice(message=ChatMessageOut(content=collected.text), finish_reason=collected.finish_reason)],
+            usage=usage(collected.stats), speculative=speculative(collected.stats),
+        ).model_dump()
+
+    def sse_response(spec: ResponseSpec, events: AsyncIterator[OutputEvent], *, resume: tuple[str, int] | None) -> StreamingResponse:
+        return StreamingResponse(sse(spec, events, resume), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def sse(spec: ResponseSpec, events: AsyncIterator[OutputEvent], resume: tuple[str, int] | None) -> AsyncIterator[str]:
+        """The SSE body. With `resume = (event id, chunk)`, the events up to there are replayed
+        through the writer silently and only what follows that chunk is sent."""
+        writer = ChunkWriter(spec, tokenizer.decode)
+        finished = False  # the request's final event was seen: nothing to cancel
+        try:
+            async for event in events:
+                payloads = list(enumerate(writer.chunks(event)))
+                finished = finished or event.final
+                if resume is not None:
+                    if event.event_id != resume[0]:
+                        if writer.done:
+                            break
+                        continue
+                    payloads = [(i, p) for i, p in payloads if i > resume[1]]
+                    resume = None
+                for i, payload in payloads:
+                    yield f"id: {spec.request_id}/{event.event_id}/{i}\ndata: {payload}\n\n"
+                if writer.done:
+                    break
+            if resume is not None:
+                yield f"data: {error_json(ApiError(400, 'Last-Event-ID names no event of this response', code='invalid_last_event_id'))}\n\n"
+        except UnknownRequest as e:
+            yield f"data: {error_json(ApiError(404, str(e), code='request_not_found'))}\n\n"
         except Exception as e:  # headers are out: report in-band, as OpenAI does
-            if not isinstance(e, EngineError):
-                log.exception("streaming failed")
-            yield _error_event(ApiError(500, str(e), type="server_error"))
+            log.exception("streaming %s failed", spec.request_id)
+            yield f"data: {error_json(ApiError(500, str(e), type='server_error'))}\n\n"
+        finally:
+            if not finished:
+                await cancel_quietly(spec.request_id, events)
         yield "data: [DONE]\n\n"
 
-    def usage(stats: GenerationStats) -> Usage:
-        return Usage(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.completion_tokens,
-                     total_tokens=stats.prompt_tokens + stats.completion_tokens)
+    async def resume(request: Request, kind: str, body: _GenerationParams, last_event_id: str) -> StreamingResponse:
+        request_id, event_id, chunk = _parse_last_event_id(last_event_id)
+        if not body.stream:
+            raise ApiError(400, "Last-Event-ID resumes a streamed response: send stream: true", param="stream")
+        if not request_id.startswith(ID_PREFIX[kind]):
+            raise ApiError(400, f"Last-Event-ID names request {request_id!r}, not a response of this endpoint",
+                           code="invalid_last_event_id")
+        bus_request = await bus.lookup(request_id)
+        if bus_request is None:
+            raise ApiError(404, f"request {request_id!r} is unknown or expired; it cannot be resumed", code="request_not_found")
+        try:
+            spec = ResponseSpec.from_metadata(bus_request.metadata)
+        except ValueError as e:
+            raise ApiError(400, f"request {request_id!r} cannot be resumed here: {e}") from None
+        # The response is replayed from its first event (the text state is rebuilt on the way), so
+        # an event id that is not in the stream is reported in-band once the stream has been read.
+        return sse_response(spec, bus.tail(request_id), resume=(event_id, chunk))
 
-    def speculative(stats: GenerationStats) -> SpeculativeStats:
-        return SpeculativeStats(rounds=stats.rounds, mean_accepted_length=stats.mean_accepted_length,
-                                draft_tokens=stats.draft_tokens, accepted_tokens=stats.accepted_tokens)
+    def traceparent_of(request: Request) -> str | None:
+        value = request.headers.get("traceparent")
+        return value if value is not None and is_valid_traceparent(value.strip()) else None
 
     # ---- endpoints ----
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        ok = engine.is_running
-        body = {"status": "ok" if ok else "unavailable", "num_running": engine.num_running, "num_waiting": engine.num_waiting}
-        return JSONResponse(body, status_code=200 if ok else 503)
+    async def health_check() -> JSONResponse:
+        try:
+            ok, details = await health() if health is not None else (True, {"queue_depth": await bus.queue_depth()})
+        except Exception as e:  # noqa: BLE001 - any failure of the check means unhealthy, with its reason
+            ok, details = False, {"error": repr(e)}
+        return JSONResponse({"status": "ok" if ok else "unavailable", **details}, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -328,72 +371,26 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt_ids = tokenizer.encode(body.prompt)
-        else:
-            prompt_ids = list(body.prompt)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = await submit(build_request(rid, body, prompt_ids, "prompt"))
-        pieces = _pieces(stream, TextStream(tokenizer.decode, body.stop_strings))
-
-        if not body.stream:
-            text, finish, stats = await collect(request, pieces)
-            return CompletionResponse(
-                id=rid, model=model_name,
-                choices=[CompletionChoice(text=text, finish_reason=finish)],
-                usage=usage(stats), speculative=speculative(stats),
-            ).model_dump()
-
-        async def events() -> AsyncIterator[str]:
-            created = CompletionResponse(id=rid, model=model_name, choices=[]).created
-            chunk = lambda **kw: CompletionResponse(id=rid, model=model_name, created=created, **kw).model_dump_json()  # noqa: E731
-            async for p in pieces:
-                final = p.finish_reason is not None
-                yield "data: " + chunk(
-                    choices=[CompletionChoice(text=p.text, finish_reason=p.finish_reason)],
-                    speculative=speculative(p.stats) if final else None,
-                ) + "\n\n"
-                if final and body.include_usage:
-                    yield "data: " + chunk(choices=[], usage=usage(p.stats), speculative=speculative(p.stats)) + "\n\n"
-
-        return StreamingResponse(sse(events()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if (last_event_id := request.headers.get("last-event-id")) is not None:
+            return await resume(request, "completion", body, last_event_id)
+        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        spec = new_spec("completion", body)
+        bus_request = build_request(spec, body, prompt_ids, "prompt", traceparent_of(request))
+        return await run(request, spec, bus_request, bool(body.stream))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        if (last_event_id := request.headers.get("last-event-id")) is not None:
+            return await resume(request, "chat", body, last_event_id)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in body.messages]
         try:
             prompt_ids = tokenizer.encode_chat(messages)
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(400, f"messages cannot be rendered with the model's chat template: {e}", param="messages") from None
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await submit(build_request(rid, body, prompt_ids, "messages"))
-        pieces = _pieces(stream, TextStream(tokenizer.decode, body.stop_strings))
-
-        if not body.stream:
-            text, finish, stats = await collect(request, pieces)
-            return ChatCompletionResponse(
-                id=rid, model=model_name,
-                choices=[ChatChoice(message=ChatMessageOut(content=text), finish_reason=finish)],
-                usage=usage(stats), speculative=speculative(stats),
-            ).model_dump()
-
-        async def events() -> AsyncIterator[str]:
-            created = ChatCompletionChunk(id=rid, model=model_name, choices=[]).created
-            chunk = lambda **kw: ChatCompletionChunk(id=rid, model=model_name, created=created, **kw).model_dump_json()  # noqa: E731
-            yield "data: " + chunk(choices=[ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))]) + "\n\n"
-            async for p in pieces:
-                if p.text:
-                    yield "data: " + chunk(choices=[ChatChunkChoice(delta=ChatDelta(content=p.text))]) + "\n\n"
-                if p.finish_reason is not None:
-                    yield "data: " + chunk(
-                        choices=[ChatChunkChoice(delta=ChatDelta(), finish_reason=p.finish_reason)],
-                        speculative=speculative(p.stats),
-                    ) + "\n\n"
-                    if body.include_usage:
-                        yield "data: " + chunk(choices=[], usage=usage(p.stats), speculative=speculative(p.stats)) + "\n\n"
-
-        return StreamingResponse(sse(events()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        spec = new_spec("chat", body)
+        bus_request = build_request(spec, body, prompt_ids, "messages", traceparent_of(request))
+        return await run(request, spec, bus_request, bool(body.stream))
 
     return app
 

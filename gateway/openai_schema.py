@@ -160,7 +160,7 @@ class ChatCompletionRequest(_GenerationParams):
         return v
 
     @model_validator(mode="after")
-    def _one_max_tokens(self) -> "ChatCompletionRequest":
+    def _one_max_tokens(self) -> ChatCompletionRequest:
         if self.max_tokens is None:
             self.max_tokens = self.max_completion_tokens
         return self

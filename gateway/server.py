@@ -4,19 +4,28 @@
     curl localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Start-up order: load the target and tokenizer, build the drafter and the engine, run one short
-generation so the first client does not pay for lazy initialisation, start the engine thread,
-then accept connections. Shutdown stops uvicorn first, then the engine thread.
+The same gateway as the distributed mode (gateway/app.py over a Bus), wired in-process: an
+in-memory bus, and the bus worker (dspark/bus/worker.py) on its own thread feeding the
+in-process AsyncEngine. Start-up order: load the target and tokenizer, build the drafter and the
+engine, run one short generation so the first client does not pay for lazy initialisation,
+start the engine thread and the worker, then accept connections. Shutdown stops uvicorn first,
+then the worker, then the engine thread. API keys: `DSPARK_API_KEYS` (comma-separated).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
+from dspark.bus.memory_bus import MemoryBus
+from dspark.bus.worker import WorkerThread, start_worker_thread
 from dspark.drafters import DRAFTERS, make_drafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
@@ -24,13 +33,24 @@ from dspark.model.model_store import DEFAULT_MODEL
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
 from dspark.profiling.sps import profile_sps
-from dspark.scheduling.policies import parse_policy
 from dspark.sampling.params import SamplingParams
+from dspark.scheduling.policies import parse_policy
+from dspark.serving_config import ServingConfig
 from gateway.app import create_app
 
-__all__ = ["build_engine", "serve", "served_model_name", "warm_up"]
+__all__ = ["EmbeddedGateway", "api_keys_from_env", "build_engine", "embedded_gateway", "serve", "served_model_name", "warm_up"]
 
 log = logging.getLogger(__name__)
+
+DEFAULTS = ServingConfig()  # the serving defaults live in dspark/serving_config.py
+
+
+API_KEYS_ENV = "DSPARK_API_KEYS"
+
+
+def api_keys_from_env() -> tuple[str, ...]:
+    """API keys from DSPARK_API_KEYS (comma-separated); none means no authentication."""
+    return tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
 
 
 def served_model_name(model: str) -> str:
@@ -48,7 +68,8 @@ def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
 
 
 def build_engine(
-    target: TargetConfig, *, drafter: str = "ngram", gamma: int = 7, sps_max_batch: int = 64,
+    target: TargetConfig, *, drafter: str = DEFAULTS.drafter.name, gamma: int = DEFAULTS.scheduler.gamma,
+    sps_max_batch: int = DEFAULTS.verifier.sps_max_batch,
     drafter_path: str | None = None,
     policy: str | None = None,
 ) -> tuple[AsyncEngine, Tokenizer]:
@@ -73,20 +94,55 @@ def build_engine(
     return AsyncEngine(engine).start(), tokenizer
 
 
+@dataclass
+class EmbeddedGateway:
+    """The gateway app, its in-memory bus and the worker thread that runs requests on the engine."""
+
+    app: FastAPI
+    bus: MemoryBus
+    worker: WorkerThread
+    engine: AsyncEngine
+
+    def close(self) -> None:
+        """Stop the worker (the engine is the caller's to shut down)."""
+        self.worker.stop()
+
+
+def embedded_gateway(
+    engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, bus: MemoryBus | None = None,
+    api_keys: Iterable[str] = (), **app_kwargs,
+) -> EmbeddedGateway:
+    """Wire the gateway to a started AsyncEngine through an in-memory bus (one process)."""
+    bus = bus or MemoryBus()
+    # The only worker: the engine's own FIFO admission (by KV) decides what runs, so take everything.
+    worker = start_worker_thread(lambda: bus, engine, consumer="embedded", max_in_flight=100_000)
+
+    async def health() -> tuple[bool, dict]:
+        ok = engine.is_running and worker.is_alive
+        return ok, {"num_running": engine.num_running, "num_waiting": engine.num_waiting, "queue_depth": await bus.queue_depth()}
+
+    runtime = engine.runtime
+    app = create_app(bus, tokenizer, model_name=model_name, max_model_len=engine.max_model_len,
+                     vocab_size=runtime.vocab_size if runtime is not None else None, api_keys=api_keys, health=health,
+                     **app_kwargs)
+    return EmbeddedGateway(app=app, bus=bus, worker=worker, engine=engine)
+
+
 def serve(
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str = DEFAULTS.gateway.host,
+    port: int = DEFAULTS.gateway.port,
     model: str = DEFAULT_MODEL,
-    drafter: str = "ngram",
-    gamma: int = 7,
+    drafter: str = DEFAULTS.drafter.name,
+    gamma: int = DEFAULTS.scheduler.gamma,
     *,
     target: TargetConfig | None = None,  # overrides `model` (dtype, KV budget, context length)
-    max_tokens_limit: int = 2048,
+    max_tokens_limit: int = DEFAULTS.gateway.max_tokens_limit,
     model_name: str | None = None,  # the id clients send; default: see served_model_name
     log_level: str = "info",
-    sps_max_batch: int = 64,  # SPS(B) profile at start-up up to this batch; 0 skips it
+    sps_max_batch: int = DEFAULTS.verifier.sps_max_batch,  # SPS(B) profile at start-up up to this batch; 0 skips it
     drafter_path: str | None = None,  # checkpoint directory of a trained drafter (dspark)
     policy: str | None = None,  # parse_policy form; None = all γ drafts every round
+    api_keys: Iterable[str] | None = None,  # None: from DSPARK_API_KEYS
 ) -> None:
     if drafter not in DRAFTERS:  # fail on a bad name before loading anything
         raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
@@ -95,9 +151,12 @@ def serve(
     engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch,
                                      drafter_path=drafter_path, policy=policy)
     name = model_name or served_model_name(target.model)
-    app = create_app(engine, tokenizer, model_name=name, max_tokens_limit=max_tokens_limit)
-    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d)", name, host, port, drafter, gamma)
+    keys = api_keys_from_env() if api_keys is None else tuple(api_keys)
+    gateway = embedded_gateway(engine, tokenizer, model_name=name, api_keys=keys, max_tokens_limit=max_tokens_limit)
+    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d%s)", name, host, port, drafter, gamma,
+             ", API keys required" if keys else "")
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level)
+        uvicorn.run(gateway.app, host=host, port=port, log_level=log_level)
     finally:
+        gateway.close()
         engine.shutdown()

@@ -1,8 +1,10 @@
-"""Fixtures for the gateway tests: the real default model behind the app (module-scoped, slow),
-and a live uvicorn server on a free localhost port."""
+"""Fixtures for the gateway tests: the real default model behind the embedded gateway
+(module-scoped, slow), a live uvicorn server on a free localhost port, and for the fast tests a
+byte-level tokenizer that fits the tiny random model (vocab 256)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -32,29 +34,30 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served():
-    """The default model (bf16) behind create_app; warmed up; shut down after the module."""
-    from gateway.app import create_app
-    from gateway.server import warm_up
+    """The default model (bf16) behind the embedded gateway (in-memory bus + worker thread);
+    warmed up; shut down after the module."""
+    from gateway.server import embedded_gateway, warm_up
 
     runtime = TargetRuntime.load(TargetConfig(kv_budget_mb=64))  # ~2,900 KV tokens
     tokenizer = Tokenizer(runtime.model_dir)
     spec = SpeculativeEngine(runtime, NgramDrafter(), num_speculative_tokens=5)
     warm_up(spec, tokenizer)
     engine = AsyncEngine(spec).start()
-    app = create_app(engine, tokenizer, model_name=DEFAULT_MODEL, max_tokens_limit=MAX_TOKENS_LIMIT)
-    yield Served(runtime=runtime, tokenizer=tokenizer, engine=engine, app=app)
+    gateway = embedded_gateway(engine, tokenizer, model_name=DEFAULT_MODEL, max_tokens_limit=MAX_TOKENS_LIMIT)
+    yield Served(runtime=runtime, tokenizer=tokenizer, engine=engine, app=gateway.app)
+    gateway.close()
     engine.shutdown()
 
 
-@pytest.fixture(scope="module")
-def live_url(served):
-    """The same app behind a real uvicorn server in a thread (for real disconnects and the openai client)."""
+@contextlib.contextmanager
+def live_server(app):
+    """`app` behind a real uvicorn server in a thread; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(served.app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -62,12 +65,34 @@ def live_url(served):
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
+@pytest.fixture(scope="module")
+def live_url(served):
+    """The same app behind a real uvicorn server (for real disconnects and the openai client)."""
+    with live_server(served.app) as url:
+        yield url
+
+
+class ByteTokenizer:
+    """A real byte-level tokenizer for the tiny random model (vocab 256): token id = byte, text is
+    Latin-1 (every byte one character, so each generated token shows up as text at once); the
+    chat template is `role: content` lines ending with `assistant:`."""
+
+    eos_token_ids: frozenset[int] = frozenset()  # generations run to max_tokens: lengths are known
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("latin-1"))
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode("latin-1")

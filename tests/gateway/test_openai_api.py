@@ -1,5 +1,7 @@
 """The embedded OpenAI-compatible server: the incremental detokeniser (pure) and the REST API on
-the real default model (slow, one module-scoped model). AsyncEngine itself: tests/engine."""
+the real default model (slow, one module-scoped model), through the in-memory bus and its
+worker. AsyncEngine itself: tests/engine; the bus: tests/bus; the gateway on both buses with a
+tiny model: test_gateway_over_bus.py."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.target_runtime import TargetRuntime
 from dspark.sampling.params import SamplingParams
-from gateway.app import TextStream, create_app, parse_sse
+from gateway.app import TextStream, parse_sse
+from gateway.server import embedded_gateway
 from tests.polling import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -176,10 +179,11 @@ async def test_greedy_api_output_is_the_same_with_ngram_none_and_the_engine_dire
 
     # A second engine without a drafter; it shares the weights, not the KV cache or the thread.
     plain_engine = AsyncEngine(SpeculativeEngine(TargetRuntime(served.runtime.model, kv_budget_tokens=1024), None)).start()
+    gateway = embedded_gateway(plain_engine, served.tokenizer, model_name=served.model_name, max_tokens_limit=served.max_tokens_limit)
     try:
-        app = create_app(plain_engine, served.tokenizer, model_name=served.model_name, max_tokens_limit=served.max_tokens_limit)
-        without = (await post(app, "/v1/chat/completions", req)).json()
+        without = (await post(gateway.app, "/v1/chat/completions", req)).json()
     finally:
+        gateway.close()
         plain_engine.shutdown()
 
     prompt = served.tokenizer.encode_chat(REPEAT)
@@ -317,16 +321,15 @@ async def test_a_disconnected_stream_is_aborted_and_frees_its_kv(served, live_ur
         abort(request_id)
 
     served.engine.engine.abort = recording_abort
-    async with httpx.AsyncClient(base_url=live_url, timeout=60) as client:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    assert chunk["choices"][0]["finish_reason"] is None  # still generating when we leave
-                    got_text = got_text or bool(chunk["choices"][0]["text"])
-                    if got_text:
-                        break
+    async with httpx.AsyncClient(base_url=live_url, timeout=60) as client, client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["choices"][0]["finish_reason"] is None  # still generating when we leave
+                got_text = got_text or bool(chunk["choices"][0]["text"])
+                if got_text:
+                    break
     assert got_text
     try:
         freed = await asyncio.to_thread(wait_until, lambda: served.runtime.kv.reserved_tokens == 0, 60.0)
@@ -354,3 +357,38 @@ def test_the_official_openai_client_works_against_a_live_server(served, live_url
         client.completions.create(model="gpt-9", prompt="Hello", max_tokens=4)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=served.model_name, messages=CHAT, n=2)
+
+
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_the_distributed_gateway_over_redis_answers_like_the_embedded_one(served):
+    """`dspark gateway` (tokenizer + config only, no weights) over real Redis, with a scheduler
+    worker on the served engine: the greedy answer equals the embedded server's."""
+    from dspark.bus.redis_bus import RedisBus
+    from dspark.bus.worker import run_worker
+    from gateway.cli import build_gateway_app
+    from tests.bus.conftest import REDIS_URL, BusFactory, redis_reachable
+
+    if not redis_reachable():
+        pytest.skip("no Redis reachable")
+    factory = BusFactory("redis")
+    app = build_gateway_app(redis_url=REDIS_URL, model=served.model_name, prefix=factory.prefix,
+                            max_tokens_limit=served.max_tokens_limit)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run_worker(RedisBus.from_url(REDIS_URL, prefix=factory.prefix), served.engine,
+                                            consumer="scheduler-0", stop=stop, block_s=0.1))
+    try:
+        req = {"model": served.model_name, "messages": CHAT, "max_tokens": 16, "temperature": 0}
+        distributed = await post(app, "/v1/chat/completions", req)
+        streamed = await post(app, "/v1/chat/completions", {**req, "stream": True})
+        embedded = await post(served.app, "/v1/chat/completions", req)
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 10)
+        await app.state.bus.close()
+        await factory.cleanup()
+    assert distributed.status_code == 200, distributed.text
+    text = distributed.json()["choices"][0]["message"]["content"]
+    assert text and text == embedded.json()["choices"][0]["message"]["content"]
+    assert distributed.json()["usage"] == embedded.json()["usage"]
+    assert stream_text(parse_sse(streamed.text)[:-1], "delta") == text
