@@ -19,7 +19,7 @@ from dspark.drafters import DRAFTERS, drafter_capture_layers, make_drafter
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="default model name or a local HF Llama/Qwen directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="compute dtype of the linear layers")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype of the linear layers (auto: bf16 where the hardware has it)")
     p.add_argument("--kv-budget-mb", type=int, default=4096, help="memory for all requests' KV caches")
 
 
@@ -31,13 +31,17 @@ def _target_config(args):
     return TargetConfig(model=args.model, dtype=args.dtype, kv_budget_mb=args.kv_budget_mb, capture_layers=capture)
 
 
-def _add_drafter_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", choices=DRAFTERS, default="ngram")
-    p.add_argument("--drafter-path", default=None, help="checkpoint directory of a trained drafter (dspark)")
-    p.add_argument("--gamma", type=int, default=7, help="draft tokens per round (block size)")
-    p.add_argument("--policy", default=None,
+def _add_drafter_args(p: argparse.ArgumentParser, *, default_policy: str | None = None) -> None:
+    from dspark.serving_config import ServingConfig
+
+    defaults = ServingConfig()  # the one source of the serving defaults
+    p.add_argument("--drafter", choices=DRAFTERS, default=defaults.drafter.name)
+    p.add_argument("--drafter-path", default=None,
+                   help="checkpoint directory of a trained drafter (default for dspark: the shipped checkpoint)")
+    p.add_argument("--gamma", type=int, default=defaults.scheduler.gamma, help="draft tokens per round (block size)")
+    p.add_argument("--policy", default=default_policy,
                    help="draft tokens verified per request per round: none | fixed:K | threshold:C | dspark | dspark-async "
-                        "(default: all γ); dspark* profile SPS(B) first")
+                        f"(default: {default_policy or 'all γ'}); dspark* profile SPS(B) first")
 
 
 def cmd_generate(args) -> int:
@@ -161,16 +165,26 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="embedded OpenAI-compatible server (one process, no external services)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    _add_drafter_args(s)
+    from dspark.serving_config import ServingConfig
+
+    _add_drafter_args(s, default_policy=ServingConfig().scheduler.policy or None)
     s.add_argument("--max-tokens-limit", type=int, default=2048)
     s.add_argument("--sps-max-batch", type=int, default=64, help="profile SPS(B) at start-up up to this B (0: skip)")
     _add_target_args(s)
     s.set_defaults(func=cmd_serve)
+    from dspark.bench.cli import add_bench_parser
     from dspark.data.cli import add_data_parser
+    from dspark.evaluation.cli import add_eval_parser
     from dspark.training.cli import add_train_parsers
+    from gateway.cli import add_gateway_parser
+    from services.cli import add_service_parsers
 
     add_data_parser(sub)
     add_train_parsers(sub)
+    add_gateway_parser(sub)
+    add_service_parsers(sub)
+    add_eval_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

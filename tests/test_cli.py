@@ -22,9 +22,17 @@ def test_a_negative_temperature_is_refused_with_a_message(capsys):
     assert "temperature must be >= 0" in capsys.readouterr().err
 
 
-def test_the_dspark_drafter_without_a_checkpoint_is_refused_with_a_message(capsys):
-    assert main(["generate", "hi", "--drafter", "dspark"]) == 2
+def test_a_drafter_family_without_a_shipped_checkpoint_needs_a_path(capsys):
+    assert main(["generate", "hi", "--drafter", "eagle3"]) == 2
     assert "--drafter-path" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_with_the_shipped_dspark_drafter_at_temperature_0_equals_plain_decoding(capsys, real_model_dir):
+    plain = generate_json(capsys, "--drafter", "none")
+    shipped = generate_json(capsys, "--drafter", "dspark")  # no --drafter-path: the packaged checkpoint
+    assert shipped["token_ids"] == plain["token_ids"]
+    assert shipped["draft_tokens"] > 0 and shipped["mean_accepted_length"] > 1.0  # trained: some drafts survive
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ def test_eval_writes_results_figures_and_prints_the_table(capsys, tmp_path, tiny
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--drafter", "dspark"], "give a checkpoint as NAME=PATH"),
+    (["--drafter", "eagle3"], "give a checkpoint as NAME=PATH"),
     (["--drafter", "dspark=/nonexistent/ckpt"], "/nonexistent/ckpt"),
     (["--drafter", "ngram", "--benchmarks", "alpaca"], "unknown benchmarks"),
     (["--drafter", "dspark="], "[LABEL@]NAME[=PATH]"),
