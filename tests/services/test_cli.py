@@ -72,7 +72,7 @@ def test_the_build_functions_load_a_model_by_path_and_the_verifier_profiles_sps(
     from services.verifier.client import RemoteVerifier
     from services.verifier.server import build_local_verifier
 
-    config = ServingConfig().updated({"model": {"name": str(tiny_model_dir), "dtype": "float32"},
+    config = ServingConfig().updated({"model": {"name": str(tiny_model_dir), "dtype": "float32"}, "drafter": {"name": "ngram"},
                                       "verifier": {"sps_max_batch": 6, "sps_tokens_per_request": 3}})
     verifier = build_local_verifier(config)
     assert verifier.sps_profile.batch_sizes == [1, 2, 3, 4, 5, 6]
@@ -102,7 +102,7 @@ def test_up_starts_the_services_serves_plain_greedy_tokens_and_stops_them_on_ctr
     env = {**os.environ, "DSPARK_SCHEDULER_PORT": str(scheduler_port), "DSPARK_DRAFTER_PORT": str(drafter_port),
            "DSPARK_VERIFIER_PORT": str(verifier_port), "DSPARK_GATEWAY_PORT": str(gateway_port), "DSPARK_REDIS_URL": ""}
     cmd = [sys.executable, "-m", "dspark.cli", "up", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--drafter", "ngram",
-           "--gamma", "4", "--sps-max-batch", "0", "--log-level", "warning"]
+           "--policy", "fixed:4", "--gamma", "4", "--sps-max-batch", "0", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     try:
         ready: dict = {}
