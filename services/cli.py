@@ -187,6 +187,10 @@ def _stop(children: list[tuple[str, subprocess.Popen]], timeout: float = 15.0) -
             proc.wait()
 
 
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
     from dspark.serving_config import ServingConfig
@@ -201,6 +205,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
+    # Ctrl-C and SIGTERM both stop everything, whatever this process inherited: a shell starting
+    # it in the background (nohup, CI runners) leaves SIGINT ignored, and Python keeps it ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="dspark-up-") as tmp:
         path = Path(tmp) / "serving.json"
         path.write_text(config.to_json())

@@ -9,6 +9,7 @@ keys are deleted afterwards. Tests are skipped, not failed, where no Redis is re
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -58,7 +59,7 @@ class BusFactory:
 
         for bus in self.made:
             with contextlib.suppress(Exception):  # made on another (now closed) event loop, e.g. a worker thread's
-                await bus.close()
+                await asyncio.wait_for(bus.close(), 5)
         client = aioredis.Redis.from_url(REDIS_URL, decode_responses=True)
         try:
             keys = [k async for k in client.scan_iter(match=f"{self.prefix}:*", count=500)]
