@@ -62,7 +62,7 @@ def make_drafter(name: str, *, runtime=None, path: str | Path | None = None, top
 
 def _check_algo(name: str, directory: Path) -> None:
     # a clear error for a checkpoint of another drafter family (its config would not parse)
-    from dspark.drafters.dflash.checkpoint import checkpoint_algo
+    from dspark.drafters.checkpoint_io import checkpoint_algo
 
     found = checkpoint_algo(directory)
     if found != name:

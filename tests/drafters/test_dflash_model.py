@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, load_checkpoint, save_checkpoint
-from dspark.drafters.dflash.checkpoint import checkpoint_algo
+from dspark.drafters.checkpoint_io import checkpoint_algo
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, SharedWeights
 from dspark.drafters.dspark import save_checkpoint as save_dspark_checkpoint
 from dspark.drafters.dspark.model import BlockBatch, DraftBlock
@@ -73,7 +73,7 @@ def test_config_rejects_invalid_values_with_what_was_got(overrides, message):
 
 
 def test_a_dspark_config_is_not_read_as_a_dflash_one():
-    with pytest.raises(ValueError, match="not a DFlash config"):
+    with pytest.raises(ValueError, match="not a DFlashConfig"):
         DFlashConfig.from_json(DSparkConfig.tiny().to_json())
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dspark.drafters.dflash.checkpoint import checkpoint_algo
+from dspark.drafters.checkpoint_io import checkpoint_algo
 from dspark.drafters.dspark.model import BlockBatch, SharedWeights
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_checkpoint, save_checkpoint
 from dspark.model.config import ModelConfig

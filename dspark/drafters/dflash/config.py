@@ -15,10 +15,10 @@ w_k = exp(-(k-1)/γ_w) (DFlash Eq. 4; its recipe pairs γ_w = 4 with a block of 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from dspark.drafters.config_json import check_fields, config_from_dict, config_from_json, config_to_dict, config_to_json
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.model.config import ModelConfig
 
@@ -83,10 +83,8 @@ class DFlashConfig:
     def from_target(cls, target: ModelConfig, **overrides: Any) -> DFlashConfig:
         """The target's geometry and DSpark's defaults (5 evenly spread target layers, the last
         vocabulary row as the mask), then `overrides`."""
+        check_fields(cls, overrides)
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(overrides) - names
-        if unknown:
-            raise ValueError(f"unknown DFlashConfig fields {sorted(unknown)}")
         defaults = DSparkConfig.from_target(target)
         base: dict[str, Any] = {name: getattr(defaults, name) for name in names if hasattr(defaults, name)}
         base["position_decay"] = cls.position_decay
@@ -107,33 +105,21 @@ class DFlashConfig:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
         self.backbone_geometry().check_target(target)
 
-    # ---- JSON ------------------------------------------------------------------------------
+    # ---- JSON (dspark/drafters/config_json.py) ---------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return {"algo": ALGO, **d}
+        return config_to_dict(self, algo=ALGO)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        d = dict(d)
-        algo = d.pop("algo", None)
-        if algo != ALGO:
-            raise ValueError(f"not a DFlash config: algo is {algo!r}, expected {ALGO!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown DFlashConfig fields {sorted(unknown)}; expected a subset of {sorted(names)}")
-        if "target_layer_ids" in d:
-            d["target_layer_ids"] = tuple(int(l) for l in d["target_layer_ids"])
-        return cls(**d)
+        return config_from_dict(cls, d, algo=ALGO)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return config_to_json(self, algo=ALGO)
 
     @classmethod
     def from_json(cls, text: str) -> DFlashConfig:
-        return cls.from_dict(json.loads(text))
+        return config_from_json(cls, text, algo=ALGO)
 
 
 __all__ = ["ALGO", "DFlashConfig"]

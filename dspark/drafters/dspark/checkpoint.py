@@ -9,8 +9,9 @@ Layout of a checkpoint directory:
     model.safetensors  the drafter's state_dict: trainable tensors only. The shared embedding and
                        LM head are the target's and are never written; the RoPE table is derived.
     sts.json           {"temperatures": [T_1, ..., T_γ]} (optional, written by calibration)
-No pickle anywhere: safetensors and JSON only. Loading checks the config against the tensors
-(missing / unexpected names, shapes) and fails with a message naming every mismatch.
+No pickle anywhere: safetensors and JSON only (dspark/drafters/checkpoint_io.py, shared with the
+baselines). Loading checks the config against the tensors (missing / unexpected names, shapes)
+and fails with a message naming every mismatch.
 """
 
 from __future__ import annotations
@@ -20,14 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
+from dspark.drafters.checkpoint_io import STORAGE_DTYPES, load_weights, read_config_json, save_weights
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
 STS_FILE = "sts.json"
 FORMAT = "dspark-drafter/1"
 
@@ -38,23 +36,12 @@ class DrafterCheckpoint:
     temperatures: torch.Tensor | None  # [γ] fp32 STS temperatures, None if not calibrated
 
 
-STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def save_checkpoint(directory: str | Path, *, drafter: DSparkDrafter, temperatures: torch.Tensor | None = None,
                     storage_dtype: str = "float32") -> Path:
     """Write the drafter. `storage_dtype` "bfloat16" halves the file (what the committed default
     drafter uses to fit the size limit); loading upcasts into the fp32 parameters, so a bf16
     checkpoint drafts exactly like an fp32 drafter whose weights are the bf16-rounded values."""
-    if storage_dtype not in STORAGE_DTYPES:
-        raise ValueError(f"storage_dtype must be one of {sorted(STORAGE_DTYPES)}, got {storage_dtype!r}")
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    dtype = STORAGE_DTYPES[storage_dtype]
-    state = {name: t.detach().cpu().to(dtype if t.is_floating_point() else t.dtype).contiguous()
-             for name, t in drafter.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": FORMAT})
-    (directory / CONFIG_FILE).write_text(drafter.config.to_json())
+    directory = save_weights(directory, module=drafter, config_json=drafter.config.to_json(), fmt=FORMAT, storage_dtype=storage_dtype)
     if temperatures is not None:
         save_temperatures(directory, temperatures, block_size=drafter.config.block_size)
     return directory
@@ -83,25 +70,9 @@ def _check_temperatures(values: list, *, block_size: int, source: str) -> list[f
 
 
 def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str | torch.device = "cpu") -> DrafterCheckpoint:
-    directory = Path(directory)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (directory / name).exists():
-            raise FileNotFoundError(f"{directory} is not a DSpark drafter checkpoint: no {name}")
-    config = DSparkConfig.from_json((directory / CONFIG_FILE).read_text())
+    config = DSparkConfig.from_json(read_config_json(directory, algo="dspark"))
     drafter = DSparkDrafter(config, shared=shared)  # checks shared shapes against the config
-    with safe_open(str(directory / WEIGHTS_FILE), framework="pt", device=str(device)) as f:
-        fmt = (f.metadata() or {}).get("format")
-        if fmt != FORMAT:
-            raise ValueError(f"{directory / WEIGHTS_FILE}: format {fmt!r}, expected {FORMAT!r}")
-        state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
-    expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
-    got = {name: tuple(t.shape) for name, t in state.items()}
-    problems = [f"missing {n}" for n in sorted(expected.keys() - got.keys())]
-    problems += [f"unexpected {n}" for n in sorted(got.keys() - expected.keys())]
-    problems += [f"{n}: shape {got[n]}, config implies {expected[n]}" for n in sorted(expected.keys() & got.keys()) if got[n] != expected[n]]
-    if problems:
-        raise ValueError(f"{directory}: weights do not match {CONFIG_FILE}: " + "; ".join(problems))
-    drafter.load_state_dict(state)  # copy_ upcasts a bf16 / fp16 checkpoint into the fp32 parameters
+    load_weights(directory, module=drafter, fmt=FORMAT, device=device)  # upcasts a bf16 / fp16 file into fp32
     return DrafterCheckpoint(drafter=drafter.to(device), temperatures=load_temperatures(directory, block_size=config.block_size))
 
 

@@ -12,11 +12,10 @@ its hidden size MUST equal the target's; the other sizes are copied only as a se
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from dspark.drafters.config_json import check_fields, check_shares_target, config_from_dict, config_from_json, config_to_dict, config_to_json
 from dspark.model.config import ModelConfig
 
 HEAD_TYPES = ("markov", "rnn")
@@ -120,9 +119,7 @@ class DSparkConfig:
             rope_scaling=dict(target.rope_scaling) if target.rope_scaling else None,
             qk_norm=target.qk_norm,
         )
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}")
+        check_fields(cls, overrides)
         base.update(overrides)
         if "target_layer_ids" in overrides:
             base["target_layer_ids"] = tuple(base["target_layer_ids"])
@@ -140,36 +137,20 @@ class DSparkConfig:
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
-        if (self.vocab_size, self.hidden_size) != (target.vocab_size, target.hidden_size):
-            raise ValueError(
-                f"drafter (vocab {self.vocab_size}, hidden {self.hidden_size}) does not match the target "
-                f"(vocab {target.vocab_size}, hidden {target.hidden_size}): embedding and LM head are shared"
-            )
-        bad = [l for l in self.target_layer_ids if l >= target.num_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
+        check_shares_target(self.vocab_size, self.hidden_size, self.target_layer_ids, target)
 
-    # ---- JSON ------------------------------------------------------------------------------
+    # ---- JSON (dspark/drafters/config_json.py; no "algo" tag, as in the first checkpoints) --
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return d
+        return config_to_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown DSparkConfig fields {sorted(unknown)}; expected a subset of {sorted(names)}")
-        d = dict(d)
-        if "target_layer_ids" in d:
-            d["target_layer_ids"] = tuple(int(l) for l in d["target_layer_ids"])
-        return cls(**d)
+        return config_from_dict(cls, d)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return config_to_json(self)
 
     @classmethod
     def from_json(cls, text: str) -> DSparkConfig:
-        return cls.from_dict(json.loads(text))
+        return config_from_json(cls, text)

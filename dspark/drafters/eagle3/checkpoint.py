@@ -5,7 +5,7 @@
 
 Layout: config.json (Eagle3Config.to_json()) and model.safetensors (fc, the decoder layer, the
 final norm; never the shared embedding / LM head). The checks and the I/O are the baselines'
-common ones (dspark.drafters.dflash.checkpoint). No pickle.
+common ones (dspark/drafters/checkpoint_io.py). No pickle.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.dflash.checkpoint import load_weights, read_config_json, save_weights
+from dspark.drafters.checkpoint_io import load_weights, read_config_json, save_weights
 from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter

@@ -16,11 +16,10 @@ step j's loss is weighted step_decay^(j-1) (EAGLE-3's training code: 0.8).
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
+from dspark.drafters.config_json import check_fields, check_shares_target, config_from_dict, config_from_json, config_to_dict, config_to_json
 from dspark.model.config import ModelConfig
 
 ALGO = "eagle3"
@@ -100,9 +99,7 @@ class Eagle3Config:
             "rope_scaling": dict(target.rope_scaling) if target.rope_scaling else None,
             "qk_norm": target.qk_norm,
         }
-        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown Eagle3Config fields {sorted(unknown)}")
+        check_fields(cls, overrides)
         base.update(overrides)
         base["target_layer_ids"] = tuple(base["target_layer_ids"])
         cfg = cls(**base)
@@ -119,42 +116,23 @@ class Eagle3Config:
 
     def check_target(self, target: ModelConfig) -> None:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
-        if (self.vocab_size, self.hidden_size) != (target.vocab_size, target.hidden_size):
-            raise ValueError(
-                f"drafter (vocab {self.vocab_size}, hidden {self.hidden_size}) does not match the target "
-                f"(vocab {target.vocab_size}, hidden {target.hidden_size}): embedding and LM head are shared"
-            )
-        bad = [l for l in self.target_layer_ids if l >= target.num_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids {bad} out of range for a {target.num_layers}-layer target")
+        check_shares_target(self.vocab_size, self.hidden_size, self.target_layer_ids, target)
 
-    # ---- JSON ------------------------------------------------------------------------------
+    # ---- JSON (dspark/drafters/config_json.py) ---------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["target_layer_ids"] = list(self.target_layer_ids)
-        return {"algo": ALGO, **d}
+        return config_to_dict(self, algo=ALGO)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        d = dict(d)
-        algo = d.pop("algo", None)
-        if algo != ALGO:
-            raise ValueError(f"not an EAGLE-3 config: algo is {algo!r}, expected {ALGO!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown Eagle3Config fields {sorted(unknown)}; expected a subset of {sorted(names)}")
-        if "target_layer_ids" in d:
-            d["target_layer_ids"] = tuple(int(l) for l in d["target_layer_ids"])
-        return cls(**d)
+        return config_from_dict(cls, d, algo=ALGO)
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return config_to_json(self, algo=ALGO)
 
     @classmethod
     def from_json(cls, text: str) -> Eagle3Config:
-        return cls.from_dict(json.loads(text))
+        return config_from_json(cls, text, algo=ALGO)
 
 
 __all__ = ["ALGO", "Eagle3Config"]
