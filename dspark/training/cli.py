@@ -71,6 +71,14 @@ def _target_for_cache(cache, model: str | None, dtype: str):
     return Transformer.from_dir(resolve_model_dir(name), compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
 
 
+def _resolve_precision(precision: str) -> str:
+    if precision != "auto":
+        return precision
+    from dspark.model.target_runtime import resolve_dtype
+
+    return "bf16" if resolve_dtype("auto") == "bfloat16" else "fp32"
+
+
 def cmd_train(args) -> int:
     from dspark.drafters.dspark.model import SharedWeights
     from dspark.training.target_cache import TargetCache
@@ -82,7 +90,8 @@ def cmd_train(args) -> int:
             max_batch_tokens=args.max_batch_tokens, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
             grad_clip=args.grad_clip, layers=args.layers if args.layers is not None else (1 if args.algo == "eagle3" else 2),
             block_size=args.block_size, markov_rank=args.markov_rank,
-            head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every, precision=args.precision,
+            head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every,
+            precision=_resolve_precision(args.precision),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -182,7 +191,8 @@ def add_train_parsers(subparsers) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--split", default="train", choices=["train", "heldout", "all"])
     t.add_argument("--checkpoint-every", type=int, default=500)
-    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
+                   help="bf16: autocast the drafter's matmuls (labels stay fp32); auto: bf16 on CUDA or a CPU with native bf16")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     t.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")

@@ -55,8 +55,11 @@ def target_probs_from_hidden(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    logits = final_hidden.float() @ lm_head_weight.float().t()  # [n, V]
-    return torch.softmax(logits / temperature, dim=-1)
+    # The target distribution is the label, so it stays fp32 even inside a bf16 autocast region
+    # (autocast would otherwise run this matmul in bf16 and move every p_t by ~1%).
+    with torch.autocast(device_type=final_hidden.device.type, enabled=False):
+        logits = final_hidden.float() @ lm_head_weight.float().t()  # [n, V]
+        return torch.softmax(logits / temperature, dim=-1)
 
 
 def weighted_mean(

@@ -159,3 +159,15 @@ def test_a_few_adamw_steps_on_a_fixed_tiny_batch_lower_the_loss(tiny_runtime_fac
     assert last.total.item() < 0.8 * first.total.item()
     assert last.tv.item() < first.tv.item()  # the draft moved towards the target
     assert expected_accepted_length(last.c_star).item() > expected_accepted_length(first.c_star).item()
+
+
+def test_target_probs_stay_fp32_inside_a_bf16_autocast_region():
+    """bf16 training (--precision bf16) must not round the labels: p_t is computed in fp32 anyway."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(4, 64, generator=g)  # [n, d]
+    lm_head = torch.randn(1000, 64, generator=g)  # [V, d]
+    exact = target_probs_from_hidden(hidden, lm_head)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        under_autocast = target_probs_from_hidden(hidden, lm_head)
+    assert under_autocast.dtype == torch.float32
+    torch.testing.assert_close(under_autocast, exact, rtol=0, atol=0)
