@@ -47,8 +47,11 @@ class Policy(Protocol):
         num_drafts: ArrayLike,  # [R] int, drafts available per request (≤ γ)
         confidences: ArrayLike | None = None,  # [R, γ] calibrated c_{r,j}; 0 at unavailable positions
         sps_table: ArrayLike | None = None,  # [B_max] SPS(B) at index B-1 (prefix_scheduler docstring)
+        prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward (count in B)
+        prefill_emitted: int = 0,  # E: tokens those prefills emit (count in τ*)
     ) -> np.ndarray:  # [R] int64 ℓ_r, 0 ≤ ℓ_r ≤ num_drafts_r
-        """ℓ for this round. Called exactly once per round: stateful policies count rounds."""
+        """ℓ for this round. Called exactly once per round: stateful policies count rounds.
+        Policies that ignore the SPS table ignore the prefill counts too."""
         ...
 
     def remove_request(self, request_id: str) -> None:
@@ -82,7 +85,8 @@ class NonePolicy:
     needs_confidences: bool = False
     needs_sps_profile: bool = False
 
-    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
+                      prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         return np.zeros(len(_num_drafts(request_ids, num_drafts)), dtype=np.int64)  # [R]
 
     def remove_request(self, request_id: str) -> None:
@@ -106,7 +110,8 @@ class FixedPolicy:
     def spec(self) -> str:
         return f"fixed:{self.k}"
 
-    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
+                      prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         return np.minimum(_num_drafts(request_ids, num_drafts), self.k)  # [R]
 
     def remove_request(self, request_id: str) -> None:
@@ -137,7 +142,8 @@ class ThresholdPolicy:
     def spec(self) -> str:
         return f"threshold:{self.threshold!r}"
 
-    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
+                      prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         n = _num_drafts(request_ids, num_drafts)  # [R]
         _require(confidences, sps_table, self.spec, sps=False)
         a = survival_products(confidences=confidences, num_drafts=n)  # [R, γ], 0 where unavailable
@@ -157,10 +163,12 @@ class DSparkPolicy:
     needs_confidences: bool = True
     needs_sps_profile: bool = True
 
-    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
+                      prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         n = _num_drafts(request_ids, num_drafts)
         _require(confidences, sps_table, self.spec, sps=True)
-        return schedule(confidences=confidences, sps_table=sps_table, num_drafts=n)  # [R]
+        return schedule(confidences=confidences, sps_table=sps_table, num_drafts=n,
+                        prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)  # [R]
 
     def remove_request(self, request_id: str) -> None:
         pass
@@ -172,10 +180,13 @@ class DSparkAsyncPolicy:
     of two rounds earlier (full search), then this round's top K candidates by current a.
 
     State: per request id, its last two rounds (round index, confidences of its available
-    drafts). Round t uses, per request, the newest row from a round ≤ t - 2 (a request that
-    skipped rounds uses an older one: still fixed before this round's drafts); a request with
-    no such row (new in the last two rounds) adds its anchor to B but nothing to K, so the first
-    two rounds of a fresh batch admit no drafts. Call `remove_request` when a request ends.
+    drafts), and the same for the population (the per-position mean over a round's requests).
+    Round t uses, per request, the newest row from a round ≤ t - 2 (a request that skipped
+    rounds uses an older one: still fixed before this round's drafts). A request with no such
+    row (new in the last two rounds) borrows the population's newest row from a round ≤ t - 2,
+    so that joining a busy server does not cost it two draftless rounds; it is as old as the
+    other rows, hence fixed before this round's drafts too (lossless). Only the engine's first
+    two rounds, with no history at all, admit no drafts. Call `remove_request` when a request ends.
     """
 
     spec: str = "dspark-async"
@@ -183,36 +194,62 @@ class DSparkAsyncPolicy:
     needs_sps_profile: bool = True
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
+    _population: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)  # deque[(round, mean c [n])]
 
-    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None) -> np.ndarray:
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
+                      prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         n = _num_drafts(request_ids, num_drafts)  # [R]
         _require(confidences, sps_table, self.spec, sps=True)
         if len(set(request_ids)) != len(request_ids):
             raise ValueError(f"request_ids must be unique within a round, got {list(request_ids)}")
         c = np.asarray(confidences, dtype=np.float64)  # [R, γ], validated by schedule_async
         t = self.round_index
-        stale_rows = [self._stale_row(rid, t) for rid in request_ids]  # [R] of [n'_r]
+        borrowed = _newest_at_most(self._population, t - 2)  # [n] or empty
+        stale_rows = [self._stale_row(rid, t, borrowed) for rid in request_ids]  # [R] of [n'_r]
         stale_n = np.array([len(row) for row in stale_rows], dtype=np.int64)  # [R]
         stale = np.zeros((len(request_ids), int(stale_n.max(initial=0))))  # [R, γ']
         for r, row in enumerate(stale_rows):
             stale[r, : len(row)] = row
         ell = schedule_async(
-            confidences=c, stale_confidences=stale, sps_table=sps_table, num_drafts=n, stale_num_drafts=stale_n
+            confidences=c, stale_confidences=stale, sps_table=sps_table, num_drafts=n, stale_num_drafts=stale_n,
+            prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted,
         )
         for r, rid in enumerate(request_ids):  # recorded only once the round's inputs passed validation
             self._history.setdefault(rid, deque(maxlen=2)).append((t, c[r, : n[r]].copy()))
+        mean = _mean_row(c, n)  # [max n]
+        if mean.size:
+            self._population.append((t, mean))
         self.round_index = t + 1
         return ell
 
-    def _stale_row(self, request_id: str, t: int) -> np.ndarray:
-        """The request's newest confidences from a round ≤ t - 2, or an empty row."""
-        for round_index, row in reversed(self._history.get(request_id, ())):
-            if round_index <= t - 2:
-                return row
-        return np.zeros(0)
+    def _stale_row(self, request_id: str, t: int, borrowed: np.ndarray) -> np.ndarray:
+        """The request's newest confidences from a round ≤ t - 2, else the borrowed population row."""
+        own = self._history.get(request_id, ())
+        return _newest_at_most(own, t - 2) if _has_row_at_most(own, t - 2) else borrowed
 
     def remove_request(self, request_id: str) -> None:
         self._history.pop(request_id, None)
+
+
+def _newest_at_most(rows, last_round: int) -> np.ndarray:
+    """The newest row of `rows` (deque of (round, row)) from a round ≤ last_round, or an empty row."""
+    for round_index, row in reversed(rows):
+        if round_index <= last_round:
+            return row
+    return np.zeros(0)
+
+
+def _has_row_at_most(rows, last_round: int) -> bool:
+    return any(round_index <= last_round for round_index, _ in rows)
+
+
+def _mean_row(c: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Per-position mean of c [R, γ] over the requests that had a draft there. -> [max n]."""
+    width = int(n.max(initial=0))
+    if width == 0:
+        return np.zeros(0)
+    present = np.arange(width) < n[:, None]  # [R, width]
+    return (c[:, :width] * present).sum(axis=0) / present.sum(axis=0)  # [width], every position has ≥ 1 request
 
 
 def parse_policy(spec: str) -> Policy:

@@ -39,6 +39,15 @@ are sampled, (ii) requests drafted independently of each other (no cross-request
 samples or confidences within a round), (iii) a tie rule that respects prefix order. It says
 nothing about optimality: a stale K can be too large or too small for the current round.
 
+Prefills in the same forward. A round that also prefills new requests verifies P more tokens
+and emits E more (one per prefilled request) whatever the drafts: B counts every token of the
+forward and τ* every token emitted, so with `prefill_tokens=P, prefill_emitted=E`
+    τ*(ℓ) = E + Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}),   B(ℓ) = P + Σ_r (1 + ℓ_r)
+(P = E = 0 is Algorithm 1 as written). The prefills are fixed before the drafts are sampled, so
+the invariant above is untouched. They move the batch along the SPS curve: a few prefill tokens
+take free slots of the memory-bound part (fewer drafts ride for free), a long prefill makes the
+step long anyway (a draft then costs only 1/B of it, and more drafts pay).
+
 The SPS table. `sps_table[B-1]` = SPS(B) for B = 1..B_max, and B_max = len(sps_table) is the
 largest admissible batch: the schedulers never build a batch beyond it (no extrapolation
 here). Pass `np.asarray(profile.table(upto=R * (1 + γ)))` to extrapolate as `SPSProfile`
@@ -74,7 +83,7 @@ _FIRST_WINDOW = 128  # candidates ranked in the first pass of `schedule` (grown 
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_inputs(confidences: ArrayLike, num_drafts: ArrayLike | None, sps_table: ArrayLike | None):
+def _as_inputs(confidences: ArrayLike, num_drafts: ArrayLike | None, sps_table: ArrayLike | None, prefill_tokens: int = 0):
     """Validated (c [R, γ] float64, n [R] int64, sps [B_max] float64 or None)."""
     c = np.asarray(confidences, dtype=np.float64)  # [R, γ]
     if c.ndim != 2:
@@ -101,12 +110,20 @@ def _as_inputs(confidences: ArrayLike, num_drafts: ArrayLike | None, sps_table: 
         raise ValueError(f"sps_table must be a non-empty 1-D table (sps[B-1] = SPS(B)), got shape {sps.shape}")
     if not (np.all(np.isfinite(sps)) and np.all(sps > 0.0)):
         raise ValueError(f"sps_table must be finite and positive, got min {np.nanmin(sps)}")
-    if sps.size < num_requests:
+    if sps.size < num_requests + prefill_tokens:
         raise ValueError(
-            f"sps_table covers B up to {sps.size}, but the {num_requests} anchors alone need B = {num_requests}; "
-            f"pass a longer table, e.g. profile.table(upto=num_requests * (1 + gamma))"
+            f"sps_table covers B up to {sps.size}, but the {num_requests} anchors and {prefill_tokens} prefill tokens alone "
+            f"need B = {num_requests + prefill_tokens}; pass a longer table, e.g. profile.table(upto=P + R * (1 + gamma))"
         )
     return c, n, sps
+
+
+def _check_prefill(prefill_tokens: int, prefill_emitted: int) -> None:
+    for name, value in (("prefill_tokens", prefill_tokens), ("prefill_emitted", prefill_emitted)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if prefill_emitted > prefill_tokens:
+        raise ValueError(f"prefill_emitted ({prefill_emitted}) cannot exceed prefill_tokens ({prefill_tokens}): one token per prefill at most")
 
 
 def survival_products(*, confidences: ArrayLike, num_drafts: ArrayLike | None = None) -> np.ndarray:
@@ -132,13 +149,16 @@ def schedule_reference(
     sps_table: ArrayLike,  # [B_max] SPS(B) at index B-1
     num_drafts: ArrayLike | None = None,  # [R] drafts available per request (default γ)
     stop_at_first_decline: bool = True,  # False: full search (argmax over all prefixes), NOT lossless
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> np.ndarray:
     """Algorithm 1, one candidate at a time: the definition `schedule` is tested against.
 
     Returns ℓ [R] int64. With stop_at_first_decline=False it keeps scanning after Θ stops rising
     and returns the best prefix of the sorted list (first one on ties): the "full search".
     """
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     num_requests = c.shape[0]
     rows = c.tolist()
     table = sps.tolist()
@@ -152,8 +172,8 @@ def schedule_reference(
     candidates.sort(key=lambda t: (-t[0], t[1], t[2]))
 
     ell = [0] * num_requests
-    batch, tau = num_requests, float(num_requests)
-    best = tau * table[batch - 1] if num_requests else 0.0
+    batch, tau = num_requests + prefill_tokens, float(num_requests + prefill_emitted)
+    best = tau * table[batch - 1] if batch else 0.0
     best_count = 0
     for count, (a, _, _) in enumerate(candidates, start=1):
         if batch + 1 > len(table):  # beyond the table: not admissible
@@ -196,10 +216,11 @@ def _ranked(flat: np.ndarray, num_positive: int, m: int) -> np.ndarray:
     return idx[np.argsort(keys, kind="stable")][:m]  # [m]
 
 
-def _thetas(a_sorted: np.ndarray, num_requests: int, sps: np.ndarray) -> np.ndarray:
+def _thetas(a_sorted: np.ndarray, num_requests: int, sps: np.ndarray, prefill_tokens: int = 0, prefill_emitted: int = 0) -> np.ndarray:
     """Θ_k for k = 0..m admitted candidates of the sorted list. -> [m + 1]."""
-    tau = np.cumsum(np.concatenate(([float(num_requests)], a_sorted)))  # [m + 1] sequential sums, as the loop
-    return tau * sps[num_requests - 1 : num_requests + a_sorted.size]  # [m + 1]
+    tau = np.cumsum(np.concatenate(([float(num_requests + prefill_emitted)], a_sorted)))  # [m + 1] sequential sums, as the loop
+    base = num_requests + prefill_tokens  # B with no draft admitted
+    return tau * sps[base - 1 : base + a_sorted.size]  # [m + 1]
 
 
 def _lengths(order: np.ndarray, num_requests: int, gamma: int) -> np.ndarray:
@@ -212,26 +233,29 @@ def schedule(
     confidences: ArrayLike,  # [R, γ] calibrated c_{r,j} in [0, 1]
     sps_table: ArrayLike,  # [B_max] SPS(B) at index B-1; B never exceeds B_max
     num_drafts: ArrayLike | None = None,  # [R] drafts available per request (default γ)
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> np.ndarray:
     """Algorithm 1 (with the break), vectorised; equals `schedule_reference` exactly. -> ℓ [R] int64.
 
     Cumulative products give a; the candidates are ranked once (a descending, (r, j) ascending);
-    cumulative sums of the ranked a give τ* for every prefix length k, Θ_k = τ*_k · SPS(R + k);
+    cumulative sums of the ranked a give τ* for every prefix length k, Θ_k = τ*_k · SPS(P + R + k);
     the number admitted is the first k where Θ_{k+1} ≤ Θ_k (the break). Only a window of the
     best candidates is ranked at first (a partition, not a full sort); the window grows x8 while
     Θ is still rising at its end, so the result is that of one global sort.
     """
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     num_requests, gamma = c.shape
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
     flat = _survival(c, n).ravel()  # [R·γ]
     num_positive = int(np.count_nonzero(flat))
-    limit = min(num_positive, sps.size - num_requests)  # candidates that fit in the table
+    limit = min(num_positive, sps.size - num_requests - prefill_tokens)  # candidates that fit in the table
     m = min(limit, _FIRST_WINDOW)
     while True:
         order = _ranked(flat, num_positive, m)  # [m]
-        rises = np.diff(_thetas(flat[order], num_requests, sps)) > 0.0  # [m]: Θ_{k+1} > Θ_k
+        rises = np.diff(_thetas(flat[order], num_requests, sps, prefill_tokens, prefill_emitted)) > 0.0  # [m]: Θ_{k+1} > Θ_k
         if not rises.all():
             return _lengths(order[: int(np.argmin(rises))], num_requests, gamma)  # first decline
         if m == limit:
@@ -244,6 +268,8 @@ def schedule_full_search(
     confidences: ArrayLike,  # [R, γ]
     sps_table: ArrayLike,  # [B_max]
     num_drafts: ArrayLike | None = None,  # [R]
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> np.ndarray:
     """The argmax of Θ over ALL prefix lengths of the sorted list (no break). -> ℓ [R] int64.
 
@@ -252,21 +278,23 @@ def schedule_full_search(
     counterexample test. Equals `schedule_reference(stop_at_first_decline=False)` exactly and
     `brute_force_optimum` in value (for a fixed B the best ℓ is the top B - R candidates).
     """
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     num_requests, gamma = c.shape
     if num_requests == 0 or gamma == 0:
         return np.zeros(num_requests, dtype=np.int64)
-    order, count = _full_search(_survival(c, n), sps)
+    order, count = _full_search(_survival(c, n), sps, prefill_tokens, prefill_emitted)
     return _lengths(order[:count], num_requests, gamma)
 
 
-def _full_search(a: np.ndarray, sps: np.ndarray) -> tuple[np.ndarray, int]:
+def _full_search(a: np.ndarray, sps: np.ndarray, prefill_tokens: int = 0, prefill_emitted: int = 0) -> tuple[np.ndarray, int]:
     """(ranked flat indices [m], argmax_k Θ_k): the best prefix length of the sorted list."""
     num_requests = a.shape[0]
     flat = a.ravel()  # [R·γ]
     num_positive = int(np.count_nonzero(flat))
-    order = _ranked(flat, num_positive, min(num_positive, sps.size - num_requests))  # [m]
-    return order, int(np.argmax(_thetas(flat[order], num_requests, sps)))  # first maximum on ties
+    order = _ranked(flat, num_positive, min(num_positive, sps.size - num_requests - prefill_tokens))  # [m]
+    thetas = _thetas(flat[order], num_requests, sps, prefill_tokens, prefill_emitted)  # [m + 1]
+    return order, int(np.argmax(thetas))  # first maximum on ties
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,14 +307,17 @@ def full_search_capacity(
     confidences: ArrayLike,  # [R, γ'] confidences two rounds old, rows aligned with this round's requests
     sps_table: ArrayLike,  # [B_max]
     num_drafts: ArrayLike | None = None,  # [R] drafts they had (0 for a request with no such round)
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> int:
     """K = how many draft tokens fit, by a full search (no break) over stale confidences.
 
     The break is not needed here: these confidences cannot depend on this round's drafts."""
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     if c.shape[0] == 0 or c.shape[1] == 0:
         return 0
-    return _full_search(_survival(c, n), sps)[1]
+    return _full_search(_survival(c, n), sps, prefill_tokens, prefill_emitted)[1]
 
 
 def admit_top_k(
@@ -316,19 +347,24 @@ def schedule_async(
     sps_table: ArrayLike,  # [B_max]
     num_drafts: ArrayLike | None = None,  # [R]
     stale_num_drafts: ArrayLike | None = None,  # [R] (0 for a request that has no round that old)
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> np.ndarray:
     """The async variant: K from the stale full search, then dynamic top-K now. -> ℓ [R] int64.
 
-    K is capped so that B = R + K stays within the table (R is known before drafting)."""
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    K is capped so that B = P + R + K stays within the table (P and R are known before drafting);
+    the stale search sees this round's prefills (known before its drafts are sampled)."""
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     stale = np.asarray(stale_confidences, dtype=np.float64)
     if stale.ndim != 2 or stale.shape[0] != c.shape[0]:
         raise ValueError(
             f"stale_confidences must have shape [{c.shape[0]}, gamma'] (rows aligned with this round's requests), "
             f"got shape {stale.shape}"
         )
-    k = full_search_capacity(confidences=stale, sps_table=sps, num_drafts=stale_num_drafts)
-    return admit_top_k(confidences=c, capacity=min(k, sps.size - c.shape[0]), num_drafts=n)
+    k = full_search_capacity(confidences=stale, sps_table=sps, num_drafts=stale_num_drafts,
+                             prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
+    return admit_top_k(confidences=c, capacity=min(k, sps.size - c.shape[0] - prefill_tokens), num_drafts=n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,18 +378,21 @@ def throughput_objective(
     draft_lengths: ArrayLike,  # [R] ℓ
     sps_table: ArrayLike,  # [B_max]
     num_drafts: ArrayLike | None = None,  # [R]
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> float:
-    """Θ(ℓ) = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j}) · SPS(Σ_r (1 + ℓ_r)), expected tokens per second."""
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    """Θ(ℓ) = (E + Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j})) · SPS(P + Σ_r (1 + ℓ_r)), expected tokens per second."""
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     ell = np.asarray(draft_lengths, dtype=np.int64)  # [R]
     if ell.shape != n.shape or np.any(ell < 0) or np.any(ell > n):
         raise ValueError(f"draft_lengths must have shape {n.shape} with 0 <= ℓ_r <= num_drafts_r, got {ell.tolist()}")
-    batch = int(ell.sum()) + c.shape[0]
+    batch = int(ell.sum()) + c.shape[0] + prefill_tokens
     if batch > sps.size:
         raise ValueError(f"draft_lengths give B = {batch}, beyond the sps_table (B_max = {sps.size})")
     a = _survival(c, n)  # [R, γ]
     taken = np.arange(c.shape[1]) < ell[:, None]  # [R, γ]
-    return float((c.shape[0] + a[taken].sum()) * sps[batch - 1])
+    return float((c.shape[0] + prefill_emitted + a[taken].sum()) * sps[batch - 1])
 
 
 def brute_force_optimum(
@@ -361,16 +400,20 @@ def brute_force_optimum(
     confidences: ArrayLike,  # [R, γ], tiny
     sps_table: ArrayLike,  # [B_max]
     num_drafts: ArrayLike | None = None,  # [R]
+    prefill_tokens: int = 0,  # P: tokens of requests prefilled in the same forward
+    prefill_emitted: int = 0,  # E: tokens those prefills emit
 ) -> tuple[np.ndarray, float]:
     """(ℓ, Θ(ℓ)) maximising Θ over every prefix vector 0 ≤ ℓ_r ≤ num_drafts_r with B ≤ B_max.
 
     Π_r (1 + num_drafts_r) evaluations: for R, γ of a few only. First maximum on ties."""
-    c, n, sps = _as_inputs(confidences, num_drafts, sps_table)
+    _check_prefill(prefill_tokens, prefill_emitted)
+    c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     best_ell, best = None, -1.0
     for ell in itertools.product(*(range(int(k) + 1) for k in n)):
-        if sum(ell) + c.shape[0] > sps.size:
+        if sum(ell) + c.shape[0] + prefill_tokens > sps.size:
             continue
-        theta = throughput_objective(confidences=c, draft_lengths=ell, sps_table=sps, num_drafts=n)
+        theta = throughput_objective(confidences=c, draft_lengths=ell, sps_table=sps, num_drafts=n,
+                                     prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
         if theta > best:
             best_ell, best = ell, theta
     return np.array(best_ell, dtype=np.int64), best

@@ -163,16 +163,35 @@ def test_async_uses_two_rounds_old_capacity_but_this_rounds_ranking():
     assert lengths[5] == [2, 1]  # K = 3 from round 3; ties go to request a first, position by position
 
 
-def test_async_request_without_history_adds_no_capacity_but_can_take_some():
+def test_async_request_without_history_borrows_the_population_row_of_two_rounds_ago():
     policy = DSparkAsyncPolicy()
-    old = np.array([[0.9, 0.9, 0.0]])  # request a: 2 positive drafts → K = 2 two rounds later
+    old = np.array([[0.9, 0.9, 0.0]])  # round 0: request a alone, population row (0.9, 0.9, 0)
     policy.draft_lengths(request_ids=["a"], num_drafts=[3], confidences=old, sps_table=FLAT)
     policy.draft_lengths(request_ids=["a"], num_drafts=[3], confidences=np.zeros((1, 3)), sps_table=FLAT)
-    # Round 2: b is new (no history); K = 2 still, and b's current drafts rank first.
+    # Round 2: b is new; it borrows round 0's population row, so K = 2 (a's) + 2 (b's borrowed)
+    # = 4, and the current ranking gives b's three 0.99s and a's first 0.5.
     ell = policy.draft_lengths(
         request_ids=["a", "b"], num_drafts=[3, 3], confidences=[[0.5, 0.5, 0.5], [0.99, 0.99, 0.99]], sps_table=FLAT
     )
-    assert ell.tolist() == [0, 2]
+    assert ell.tolist() == [1, 3]
+
+
+def test_async_population_row_averages_each_position_over_the_requests_that_had_it():
+    policy = DSparkAsyncPolicy()
+    round0 = np.array([[0.8, 0.6, 0.0], [0.4, 0.0, 0.0]])  # a has 2 drafts, b has 1
+    policy.draft_lengths(request_ids=["a", "b"], num_drafts=[2, 1], confidences=round0, sps_table=FLAT)
+    policy.draft_lengths(request_ids=["a", "b"], num_drafts=[2, 1], confidences=round0, sps_table=FLAT)
+    np.testing.assert_allclose(policy._population[0][1], [0.6, 0.6])  # (0.8 + 0.4) / 2, then a's 0.6 alone
+    # Round 2, c alone and new: it borrows (0.6, 0.6): K = 2 under the flat profile.
+    ell = policy.draft_lengths(request_ids=["c"], num_drafts=[3], confidences=[[0.9, 0.9, 0.9]], sps_table=FLAT)
+    assert ell.tolist() == [2]
+
+
+def test_async_first_two_rounds_of_the_engine_admit_no_drafts():
+    policy = DSparkAsyncPolicy()
+    conf = np.full((2, 3), 0.9)
+    for _ in range(2):
+        assert policy.draft_lengths(request_ids=["a", "b"], num_drafts=[3, 3], confidences=conf, sps_table=FLAT).tolist() == [0, 0]
 
 
 def test_async_request_that_skipped_a_round_uses_its_newest_row_at_least_two_rounds_old():
@@ -196,6 +215,8 @@ def test_async_forgets_removed_requests_and_ignores_rounds_that_failed_validatio
     assert policy.round_index == 1  # the failed call did not count as a round
     policy.draft_lengths(request_ids=["a"], num_drafts=[2], confidences=conf, sps_table=FLAT)
     policy.remove_request("a")
-    assert policy.draft_lengths(request_ids=["a"], num_drafts=[2], confidences=conf, sps_table=FLAT).tolist() == [0]
+    assert "a" not in policy._history
+    # A request id seen again after its removal is a new request: it borrows the population row.
+    assert policy.draft_lengths(request_ids=["a"], num_drafts=[2], confidences=conf, sps_table=FLAT).tolist() == [2]
     with pytest.raises(ValueError, match="unique"):
         policy.draft_lengths(request_ids=["a", "a"], num_drafts=[2, 2], confidences=np.vstack([conf, conf]), sps_table=FLAT)

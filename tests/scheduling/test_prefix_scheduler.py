@@ -161,7 +161,7 @@ def test_accepts_cpu_torch_tensors_and_lists():
         ({"confidences": [[0.5, 0.5]], "num_drafts": [1, 1]}, "num_drafts must have shape \\[1\\]"),
         ({"confidences": [[0.5, 0.5]], "num_drafts": [3]}, "\\[0, gamma=2\\]"),
         ({"confidences": [[0.5, 0.5]], "num_drafts": [1.0]}, "integers"),
-        ({"confidences": [[0.5]] * 3, "sps_table": [1.0, 1.0]}, "anchors alone need B = 3"),
+        ({"confidences": [[0.5]] * 3, "sps_table": [1.0, 1.0]}, "alone need B = 3"),
         ({"confidences": [[0.5]], "sps_table": [1.0, 0.0]}, "finite and positive"),
         ({"confidences": [[0.5]], "sps_table": []}, "non-empty"),
     ],
@@ -262,6 +262,73 @@ def test_the_full_search_is_the_brute_force_optimum_for_any_non_increasing_profi
         _, best = brute_force_optimum(**case)
         got = throughput_objective(draft_lengths=schedule_full_search(**case), **case)
         assert got == pytest.approx(best, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefills in the same forward: B counts them, τ* counts the token each emits
+# ---------------------------------------------------------------------------------------------
+
+
+def with_prefills(rng: np.random.Generator, case: dict) -> dict:
+    """`case` plus P prefill tokens and E <= P emitted, with the SPS table long enough for them."""
+    prefill_tokens = int(rng.integers(0, 40))
+    prefill_emitted = int(rng.integers(0, min(prefill_tokens, 4) + 1))
+    table = np.asarray(case["sps_table"])
+    extended = np.concatenate([table, np.full(prefill_tokens, table[-1])])  # [B_max + P]
+    return {**case, "sps_table": extended, "prefill_tokens": prefill_tokens, "prefill_emitted": prefill_emitted}
+
+
+def test_with_prefills_the_vectorised_schedulers_equal_the_reference():
+    rng = np.random.default_rng(11)
+    for num_requests, gamma in sizes(rng, 300):
+        case = with_prefills(rng, random_case(rng, num_requests, gamma))
+        np.testing.assert_array_equal(schedule(**case), schedule_reference(**case), err_msg=str(case["prefill_tokens"]))
+        np.testing.assert_array_equal(schedule_full_search(**case), schedule_reference(**case, stop_at_first_decline=False))
+
+
+def test_with_prefills_algorithm_1_still_finds_the_brute_force_optimum_when_theta_is_unimodal():
+    rng = np.random.default_rng(12)
+    for _ in range(200):
+        num_requests, gamma = int(rng.integers(1, 4)), int(rng.integers(1, 4))
+        c = random_confidences(rng, num_requests, gamma, "high")
+        prefill_tokens, prefill_emitted = int(rng.integers(1, 30)), 1
+        b = np.arange(1, prefill_tokens + num_requests * (1 + gamma) + 1, dtype=np.float64)
+        table = 1.0 / (rng.uniform(0.0, 1.0) + np.maximum(rng.uniform(0.1, 2.0), rng.uniform(0.01, 0.5) * b))  # [B_max]
+        kwargs = {"confidences": c, "sps_table": table, "prefill_tokens": prefill_tokens, "prefill_emitted": prefill_emitted}
+        _, best = brute_force_optimum(**kwargs)
+        got = throughput_objective(draft_lengths=schedule(**kwargs), **kwargs)
+        assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_prefill_tokens_move_the_batch_along_the_sps_curve():
+    # A roofline step time: flat while memory-bound (B <= 16), then proportional to B; c = 0.8
+    # everywhere, so a = 0.8, 0.64, 0.512, ... and past the knee a draft pays iff a·B > τ*.
+    b = np.arange(1, 512, dtype=np.float64)
+    table = 1.0 / np.maximum(1.0, b / 16.0)  # [511]
+    c = np.full((4, 7), 0.8)  # [R, γ]
+    alone = schedule(confidences=c, sps_table=table)
+    assert alone.sum() == 12  # 4 anchors + 12 drafts fill the flat part; 0.4096·16 < τ* = 11.8
+    # 8 prefill tokens take 8 of the free slots: 4 drafts for free, then four 0.64s pay, 0.512·20 < 10.76.
+    near_knee = schedule(confidences=c, sps_table=table, prefill_tokens=8, prefill_emitted=1)
+    assert near_knee.sum() == 8
+    # Behind a 200-token prefill the step is long anyway and a draft costs 1/B of it: all 28 pay.
+    behind = schedule(confidences=c, sps_table=table, prefill_tokens=200, prefill_emitted=1)
+    assert behind.sum() == 28
+    np.testing.assert_array_equal(schedule(confidences=c, sps_table=table, prefill_tokens=0, prefill_emitted=0), alone)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prefill_tokens": -1}, "prefill_tokens must be an integer >= 0"),
+        ({"prefill_tokens": 1.5}, "prefill_tokens must be an integer >= 0"),
+        ({"prefill_tokens": 1, "prefill_emitted": 2}, "cannot exceed prefill_tokens"),
+        ({"prefill_tokens": 10}, "10 prefill tokens alone need B = 12"),
+    ],
+)
+def test_invalid_prefill_counts_raise_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        schedule(confidences=[[0.5]] * 2, sps_table=[1.0] * 6, **kwargs)
 
 
 def test_the_break_can_stop_in_a_local_optimum_of_a_step_shaped_profile():
