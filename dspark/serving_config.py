@@ -16,6 +16,11 @@ clients dial it; empty = host:port). In Kubernetes a pod listens on 0.0.0.0 and 
 the service name, e.g. DSPARK_VERIFIER_HOST=0.0.0.0 and DSPARK_VERIFIER_ADDRESS=verifier:50053.
 Optional values use an empty string or 0 for "not set", so that every key has one plain type and
 can be given as an environment variable. This module imports nothing heavy (no torch).
+
+Two keys hold secrets (`ServingConfig.secret_keys()`): gateway.api_keys and rpc.auth_token.
+They are hidden from repr, and in Kubernetes they come from Secrets, not from the ConfigMap.
+API keys are stored as SHA-256 hashes: plain keys given here are hashed when the section is
+built, so no plain key is kept or written out (`to_json`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "RedisSection", "RpcSection", "SchedulerSection",
+    "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "ObservabilitySection", "RedisSection", "RpcSection",
+    "SchedulerSection",
     "ServingConfig", "VerifierSection",
 ]
 
@@ -38,6 +44,8 @@ DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # dspark.model.model_store.DEFAULT
 ENV_PREFIX = "DSPARK_"
 CONFIG_PATH_ENV = "DSPARK_CONFIG"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
+SECRET = {"secret": True}  # field metadata: a key given from a secret store (k8s Secret), never printed by repr
+MIN_TOKEN_CHARS = 16
 
 
 def _check(ok: bool, message: str) -> None:
@@ -144,10 +152,40 @@ class GatewaySection:
     port: int = 8000
     max_tokens_limit: int = 2048  # largest max_tokens a client may ask for
     model_name: str = ""  # the id clients send in `model`; "" = derived from model.name
+    # HTTP connection limits (gateway/connection_limits.py): a flood of connections or a client
+    # that sends slowly holds a bounded number of slots for a bounded time.
+    max_connections: int = 512  # open connections; a request on one beyond it gets 503 at once
+    header_timeout_s: float = 10.0  # a request line and headers must arrive within this
+    body_timeout_s: float = 30.0  # a request body must arrive within this once its headers are in
+    keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    max_header_bytes: int = 16384  # request line + headers; beyond it the request is a 400
+    # Request limits (gateway/guard.py, gateway/rate_limit.py). "Per client": per API key, or per
+    # client address when no keys are configured. In Redis (distributed mode) when redis.url is set.
+    api_keys: str = field(default="", repr=False, metadata=SECRET)  # comma-separated sha256:<hex> (`dspark hash-key`) or plain keys (hashed at load); "" = no authentication
+    requests_per_minute: int = 0  # per client; 0 = no rate limit
+    burst: int = 0  # requests a client may send at once before the per-minute rate applies; 0 = requests_per_minute
+    max_concurrent_requests: int = 0  # per client, in flight at once (a stream until it ends); 0 = no limit
+    max_prompt_tokens: int = 0  # longest prompt; 0 = the context window minus one
+    max_body_bytes: int = 1048576  # largest request body; beyond it 413
 
     def __post_init__(self) -> None:
+        if self.api_keys:  # plain keys become hashes here: no plain key is kept (or written out by to_json)
+            from gateway.api_keys import normalize_api_keys
+
+            try:
+                hashes = normalize_api_keys(self.api_keys)
+            except ValueError as e:
+                raise ValueError(f"gateway.api_keys: {e}") from None
+            object.__setattr__(self, "api_keys", ",".join(hashes))
+        for name in ("requests_per_minute", "burst", "max_concurrent_requests", "max_prompt_tokens"):
+            _check(getattr(self, name) >= 0, f"gateway.{name} must be >= 0 (0 = not set), got {getattr(self, name)}")
+        _check(self.max_body_bytes >= 1, f"gateway.max_body_bytes must be >= 1, got {self.max_body_bytes}")
         _check_port("gateway", self.port)
         _check(self.max_tokens_limit >= 1, f"gateway.max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        _check(self.max_connections >= 1, f"gateway.max_connections must be >= 1, got {self.max_connections}")
+        _check(self.max_header_bytes >= 1024, f"gateway.max_header_bytes must be >= 1024, got {self.max_header_bytes}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            _check(getattr(self, name) > 0, f"gateway.{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -167,11 +205,41 @@ class RpcSection:
     connect_timeout_s: float = 120.0  # how long a client waits for its server to come up at start
     startup_timeout_s: float = 1800.0  # `dspark up`: how long a service may take to report SERVING
     max_message_mb: int = 512  # largest gRPC message (a long prompt's hidden states are MBs)
+    # shared secret of the internal calls (services/grpc_auth.py): sent as `authorization: Bearer`,
+    # required by every service but health; "" = none (`dspark up` then makes one for its children)
+    auth_token: str = field(default="", repr=False, metadata=SECRET)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            _check(value > 0, f"rpc.{f.name} must be > 0, got {value}")
+            if f.name != "auth_token":
+                _check(value > 0, f"rpc.{f.name} must be > 0, got {value}")
+        token = self.auth_token
+        _check(not token or (len(token) >= MIN_TOKEN_CHARS and token.isascii() and token.isprintable() and " " not in token),
+               f"rpc.auth_token must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces "
+               f"(got {len(token)} characters; e.g. `openssl rand -hex 32`)")
+
+
+@dataclass(frozen=True)
+class ObservabilitySection:
+    """OpenTelemetry traces over OTLP and the scheduler's Prometheus metrics (dspark/observability).
+
+    Tracing is off unless an OTLP endpoint is given here or in the OpenTelemetry SDK's own
+    OTEL_EXPORTER_OTLP_ENDPOINT (what deploy/k8s sets); each process names itself with
+    OTEL_SERVICE_NAME, else dspark-<service>."""
+
+    # where traces go, e.g. http://localhost:4318 (http/protobuf) or http://jaeger:4317 (grpc);
+    # "" = $OTEL_EXPORTER_OTLP_ENDPOINT, else no tracing
+    otlp_endpoint: str = ""
+    otlp_protocol: str = ""  # grpc | http/protobuf; "" = $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf
+    sample_ratio: float = 1.0  # fraction of new traces recorded; a request that arrives sampled is always recorded
+    metrics_port: int = 9464  # the scheduler's Prometheus endpoint (HTTP /metrics, on scheduler.host); 0 = none
+
+    def __post_init__(self) -> None:
+        _check(self.otlp_protocol in ("", "grpc", "http/protobuf"),
+               f"observability.otlp_protocol must be 'grpc', 'http/protobuf' or '' (the SDK's variable), got {self.otlp_protocol!r}")
+        _check(0.0 <= self.sample_ratio <= 1.0, f"observability.sample_ratio must be in [0, 1], got {self.sample_ratio}")
+        _check(0 <= self.metrics_port <= 65535, f"observability.metrics_port must be in [0, 65535] (0 = none), got {self.metrics_port}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +251,7 @@ class ServingConfig:
     gateway: GatewaySection = field(default_factory=GatewaySection)
     redis: RedisSection = field(default_factory=RedisSection)
     rpc: RpcSection = field(default_factory=RpcSection)
+    observability: ObservabilitySection = field(default_factory=ObservabilitySection)
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -225,6 +294,13 @@ class ServingConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def secret_keys(cls) -> tuple[tuple[str, str], ...]:
+        """(section, key) of the keys marked SECRET: given from a secret store (a Kubernetes
+        Secret, a file only its service reads), never from a ConfigMap, and hidden from repr."""
+        return tuple((s.name, f.name) for s in fields(cls) for f in fields(typing.get_type_hints(cls)[s.name])
+                     if f.metadata.get("secret"))
 
 
 # ---- helpers ----------------------------------------------------------------------------------

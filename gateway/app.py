@@ -4,7 +4,11 @@
     uvicorn.run(app)     # gateway/server.py (embedded, MemoryBus) or gateway/cli.py (RedisBus)
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health.
+server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health (readiness: the bus and
+the schedulers answer; 503 otherwise) and GET /live (liveness: the process answers, nothing else
+is checked, so a restart is never the cure for a dependency that is down), GET /metrics
+(Prometheus; open like the probes). Every request is a span continuing the client's W3C
+`traceparent`; the bus request carries that span's context on (dspark/observability).
 
 A request is validated and tokenised here, submitted to the bus, and answered from its output
 stream (gateway/responses.py). The gateway holds no engine and no per-request state: every SSE
@@ -29,26 +33,37 @@ import anyio
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.bus.base import Bus, BusFull, DuplicateRequest, UnknownRequest
-from dspark.bus.messages import BusRequest, OutputEvent, is_valid_traceparent
+from dspark.bus.messages import BusRequest, OutputEvent
+from dspark.observability import tracing
+from dspark.observability.asgi import TelemetryMiddleware
+from dspark.observability.metrics import exposition, gateway_metrics
 from dspark.sampling.params import SamplingParams
+from gateway.api_keys import ApiKeys
 from gateway.errors import ApiError, error_body, error_json
 from gateway.guard import RequestGuard
 from gateway.openai_schema import (
+    ERROR_RESPONSES,
     ChatChoice,
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    HealthStatus,
+    LiveStatus,
     ModelCard,
     ModelList,
     _GenerationParams,
+    json_or_event_stream,
+    with_stream_chunk_schemas,
 )
+from gateway.rate_limit import RateLimiter
 from gateway.responses import ID_PREFIX, ChunkWriter, ResponseSpec, collect_text, event_error, speculative, usage
 from gateway.text_stream import TextStream
 
@@ -116,7 +131,8 @@ def create_app(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_prompt_tokens: int | None = None,  # None: the context window minus one
     max_body_bytes: int = 1 << 20,
-    api_keys: Iterable[str] = (),  # empty: no authentication
+    api_keys: ApiKeys | Iterable[str] = (),  # plain keys or sha256:<hex> hashes (gateway/api_keys.py); empty: no authentication
+    rate_limiter: RateLimiter | None = None,  # per-client limits (gateway/rate_limit.py); None: none
     accept_timeout_s: float | None = None,  # how long a request may wait for a scheduler to accept it
     health: HealthCheck | None = None,  # default: the bus answers
     lifespan=None,
@@ -128,9 +144,13 @@ def create_app(
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
-    app = FastAPI(title="dspark", summary="OpenAI-compatible API over DSpark speculative decoding", lifespan=lifespan)
+    app = FastAPI(title="dspark", summary="OpenAI-compatible API over DSpark speculative decoding", lifespan=lifespan,
+                  responses=ERROR_RESPONSES)
+    app.openapi = lambda: with_stream_chunk_schemas(FastAPI.openapi(app))  # FastAPI's "extending OpenAPI" recipe
     app.state.bus = bus
-    app.add_middleware(RequestGuard, api_keys=tuple(api_keys), max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestGuard, api_keys=api_keys if isinstance(api_keys, ApiKeys) else tuple(api_keys),
+                       max_body_bytes=max_body_bytes, rate_limiter=rate_limiter, open_paths=("/health", "/live", "/metrics"))
+    app.add_middleware(TelemetryMiddleware)  # outermost: a span and metrics for every request, refused ones too
     default_max_tokens = min(default_max_tokens, max_tokens_limit)
     prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
 
@@ -143,7 +163,8 @@ def create_app(
     async def _on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         code = "not_found" if exc.status_code == 404 else None
-        return JSONResponse(error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code)
+        return JSONResponse(error_body(str(exc.detail), type=kind, code=code), status_code=exc.status_code,
+                            headers=exc.headers)  # e.g. 405's `Allow`
 
     @app.exception_handler(ApiError)
     async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -201,7 +222,9 @@ def create_app(
                           traceparent=traceparent, metadata=spec.to_metadata())
 
     def new_spec(kind: str, body: _GenerationParams) -> ResponseSpec:
-        return ResponseSpec(kind=kind, request_id=f"{ID_PREFIX[kind]}{uuid.uuid4().hex}", model=model_name,
+        request_id = f"{ID_PREFIX[kind]}{uuid.uuid4().hex}"
+        tracing.set_attributes({"dspark.request_id": request_id})  # find a response's trace by its id
+        return ResponseSpec(kind=kind, request_id=request_id, model=model_name,
                             created=int(time.time()), stop=tuple(body.stop_strings), include_usage=body.include_usage)
 
     async def submit(bus_request: BusRequest) -> None:
@@ -345,13 +368,13 @@ def create_app(
         # an event id that is not in the stream is reported in-band once the stream has been read.
         return sse_response(spec, bus.tail(request_id), resume=(event_id, chunk))
 
-    def traceparent_of(request: Request) -> str | None:
-        value = request.headers.get("traceparent")
-        return value if value is not None and is_valid_traceparent(value.strip()) else None
-
     # ---- endpoints ----
 
-    @app.get("/health")
+    @app.get("/live", response_model=None, responses={200: {"model": LiveStatus}})
+    async def live() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/health", responses={200: {"model": HealthStatus}, 503: {"model": HealthStatus, "description": "Not ready"}})
     async def health_check() -> JSONResponse:
         try:
             ok, details = await health() if health is not None else (True, {"queue_depth": await bus.queue_depth()})
@@ -359,26 +382,36 @@ def create_app(
             ok, details = False, {"error": repr(e)}
         return JSONResponse({"status": "ok" if ok else "unavailable", **details}, status_code=200 if ok else 503)
 
-    @app.get("/v1/models")
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        """Prometheus text format: the gateway's metrics, and the engine's when it runs in this process."""
+        try:
+            gateway_metrics().bus_queue_depth.set(await bus.queue_depth())
+        except Exception:  # noqa: BLE001 - an unreachable bus must not hide the other metrics
+            log.warning("reading the bus queue depth for /metrics failed", exc_info=True)
+        body, content_type = exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
     async def models() -> dict:
         return ModelList(data=[ModelCard(id=model_name)]).model_dump()
 
-    @app.get("/v1/models/{name:path}")
+    @app.get("/v1/models/{name:path}", response_model=None, responses={200: {"model": ModelCard}})
     async def model(name: str) -> dict:
         check_model(name)
         return ModelCard(id=model_name).model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=json_or_event_stream(CompletionResponse, CompletionResponse))
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         if (last_event_id := request.headers.get("last-event-id")) is not None:
             return await resume(request, "completion", body, last_event_id)
         prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
         spec = new_spec("completion", body)
-        bus_request = build_request(spec, body, prompt_ids, "prompt", traceparent_of(request))
+        bus_request = build_request(spec, body, prompt_ids, "prompt", tracing.current_traceparent())
         return await run(request, spec, bus_request, bool(body.stream))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None, responses=json_or_event_stream(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         if (last_event_id := request.headers.get("last-event-id")) is not None:
@@ -389,7 +422,7 @@ def create_app(
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(400, f"messages cannot be rendered with the model's chat template: {e}", param="messages") from None
         spec = new_spec("chat", body)
-        bus_request = build_request(spec, body, prompt_ids, "messages", traceparent_of(request))
+        bus_request = build_request(spec, body, prompt_ids, "messages", tracing.current_traceparent())
         return await run(request, spec, bus_request, bool(body.stream))
 
     return app

@@ -21,7 +21,13 @@ class ApiError(Exception):
 
 
 def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return ErrorResponse(error=ErrorDetail(message=message, type=type, param=param, code=code)).model_dump()
+    return ErrorResponse(error=ErrorDetail(message=_printable(message), type=type, param=_printable(param), code=code)).model_dump()
+
+
+def _printable(text: str | None) -> str | None:
+    """`text` encodable as UTF-8: a message or parameter path may quote the client's input, and JSON
+    lets that carry lone surrogates ("\\ud800"), which would make the error body itself fail."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_json(e: ApiError) -> str:

@@ -16,17 +16,35 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
+def _unicode(value):
+    """`value` (a string, or a list of them, ids ignored) if it is valid Unicode. JSON may escape a
+    lone UTF-16 surrogate ("\\ud800"): that is not text, and no tokenizer or UTF-8 encoder takes it."""
+    for text in value if isinstance(value, list) else [value]:
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid Unicode: a lone surrogate \\u{ord(text[e.start]):04x} at position {e.start}") from None
+    return value
+
+
 # ---- requests ----------------------------------------------------------------------------
 
 
+# Requests are validated strictly: JSON types as the schema says (no "5" for 5, no false for 0.0),
+# which is what the published OpenAPI schema promises to reject.
+REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = REQUEST_CONFIG
     include_usage: bool = False
 
 
 class _GenerationParams(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -42,6 +60,8 @@ class _GenerationParams(BaseModel):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    _text_is_unicode = field_validator("model", "stop")(_unicode)  # tokenised or echoed back
 
     @field_validator("n")
     @classmethod
@@ -117,6 +137,8 @@ class CompletionRequest(_GenerationParams):
             raise ValueError("suffix is not supported")
         return v
 
+    _prompt_is_unicode = field_validator("prompt")(_unicode)
+
     @field_validator("prompt")
     @classmethod
     def _single_prompt(cls, v):
@@ -128,16 +150,20 @@ class CompletionRequest(_GenerationParams):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     type: Literal["text"]
     text: str
 
+    _text_is_unicode = field_validator("text")(_unicode)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = REQUEST_CONFIG
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    _content_is_unicode = field_validator("content")(_unicode)
 
     @property
     def text(self) -> str:
@@ -193,8 +219,9 @@ class _WithSpeculativeStats(BaseModel):
 
     speculative: SpeculativeStats | None = None
 
+    # (no return annotation: pydantic then documents the model's own fields, not `object`)
     @model_serializer(mode="wrap")
-    def _drop_missing_extension(self, handler) -> dict[str, Any]:
+    def _drop_missing_extension(self, handler):
         out = handler(self)
         if out.get("speculative") is None:
             out.pop("speculative", None)
@@ -249,7 +276,7 @@ class ChatDelta(BaseModel):
     content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_none(self, handler) -> dict[str, Any]:
+    def _drop_none(self, handler):  # unannotated: see _WithSpeculativeStats
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
@@ -291,3 +318,54 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+# ---- the gateway's own endpoints and the OpenAPI description of the responses ----------------
+
+
+class HealthStatus(BaseModel):
+    """GET /health (readiness): "ok" with 200 or "unavailable" with 503, and the checks' details."""
+
+    model_config = ConfigDict(extra="allow")
+    status: Literal["ok", "unavailable"]
+
+
+class LiveStatus(BaseModel):
+    """GET /live (liveness): the process answers."""
+
+    status: Literal["ok"]
+
+
+# Every route's error statuses, so that the OpenAPI schema says what clients get (not FastAPI's 422).
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    "4XX": {"model": ErrorResponse, "description": "The request is invalid, unauthorised, too large or names no model here"},
+    "5XX": {"model": ErrorResponse, "description": "The server cannot answer now (overloaded, no scheduler, a failed generation)"},
+}
+
+
+COMPONENT_REF = "#/components/schemas/{model}"
+
+
+def json_or_event_stream(model: type[BaseModel], chunk: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """The 200 response of a generation route: `model` as JSON, or with `stream: true` server-sent
+    events, each `data:` a `chunk` (or an error body, once the headers are out), then `[DONE]`.
+    (OpenAPI 3.1: an event stream's `schema` describes one event.)"""
+    payload = {"type": "string", "contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [{"$ref": COMPONENT_REF.format(model=m.__name__)} for m in (chunk, ErrorResponse)]}}
+    event = {"type": "object", "required": ["data"], "properties": {
+        "id": {"type": "string", "description": "<request id>/<event id>/<chunk>: send it as Last-Event-ID to resume"},
+        "data": {"anyOf": [{"const": "[DONE]"}, payload]},
+    }}
+    return {200: {"model": model, "description": "The completion (JSON), or its chunks as server-sent events",
+                  "content": {"text/event-stream": {"schema": event}}}}
+
+
+def with_stream_chunk_schemas(openapi: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's `openapi` with the stream chunks' schemas (and what they reference) added to its
+    components: the event-stream responses point at them, FastAPI adds only JSON bodies' models."""
+    schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for chunk in (CompletionResponse, ChatCompletionChunk):
+        schema = chunk.model_json_schema(ref_template=COMPONENT_REF, mode="serialization")
+        for name, definition in {**schema.pop("$defs", {}), chunk.__name__: schema}.items():
+            schemas.setdefault(name, definition)
+    return openapi

@@ -9,7 +9,10 @@ in-memory bus, and the bus worker (dspark/bus/worker.py) on its own thread feedi
 in-process AsyncEngine. Start-up order: load the target and tokenizer, build the drafter and the
 engine, run one short generation so the first client does not pay for lazy initialisation,
 start the engine thread and the worker, then accept connections. Shutdown stops uvicorn first,
-then the worker, then the engine thread. API keys: `DSPARK_API_KEYS` (comma-separated).
+then the worker, then the engine thread. API keys (gateway.api_keys = DSPARK_GATEWAY_API_KEYS, or
+DSPARK_API_KEYS), request limits per client (in memory here) and connection limits (floods, slow
+clients): the gateway section of the serving configuration, applied by gateway/guard.py and
+gateway/connection_limits.py.
 """
 
 from __future__ import annotations
@@ -32,11 +35,15 @@ from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.model_store import DEFAULT_MODEL
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
+from dspark.observability.tracing import setup_tracing
 from dspark.profiling.sps import profile_sps
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import parse_policy
-from dspark.serving_config import ServingConfig
+from dspark.serving_config import GatewaySection, ServingConfig
+from gateway.api_keys import ApiKeys
 from gateway.app import create_app
+from gateway.connection_limits import uvicorn_config
+from gateway.rate_limit import MemoryRateLimiter, RateLimits
 
 __all__ = ["EmbeddedGateway", "api_keys_from_env", "build_engine", "embedded_gateway", "serve", "served_model_name", "warm_up"]
 
@@ -116,7 +123,7 @@ class EmbeddedGateway:
 
 def embedded_gateway(
     engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, bus: MemoryBus | None = None,
-    api_keys: Iterable[str] = (), **app_kwargs,
+    api_keys: ApiKeys | Iterable[str] = (), **app_kwargs,
 ) -> EmbeddedGateway:
     """Wire the gateway to a started AsyncEngine through an in-memory bus (one process)."""
     bus = bus or MemoryBus()
@@ -148,21 +155,28 @@ def serve(
     sps_max_batch: int = DEFAULTS.verifier.sps_max_batch,  # SPS(B) profile at start-up up to this batch; 0 skips it
     drafter_path: str | None = None,  # checkpoint directory of a trained drafter (dspark)
     policy: str | None = None,  # parse_policy form; None = all γ drafts every round
-    api_keys: Iterable[str] | None = None,  # None: from DSPARK_API_KEYS
+    api_keys: Iterable[str] | None = None,  # None: gateway.api_keys of `limits` and DSPARK_API_KEYS
+    limits: GatewaySection | None = None,  # connection and request limits; None: ServingConfig.load() (file, DSPARK_GATEWAY_*)
 ) -> None:
     if drafter not in DRAFTERS:  # fail on a bad name before loading anything
         raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
     target = target or TargetConfig(model=model)
+    limits = limits or ServingConfig.load().gateway
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_tracing(ServingConfig.load().observability, service="serve")  # off unless an OTLP endpoint is configured
     engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch,
                                      drafter_path=drafter_path, policy=policy)
     name = model_name or served_model_name(target.model)
-    keys = api_keys_from_env() if api_keys is None else tuple(api_keys)
-    gateway = embedded_gateway(engine, tokenizer, model_name=name, api_keys=keys, max_tokens_limit=max_tokens_limit)
-    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d%s)", name, host, port, drafter, gamma,
-             ", API keys required" if keys else "")
+    keys = ApiKeys.from_config(limits.api_keys) if api_keys is None else ApiKeys.from_entries(api_keys)
+    rate_limits = RateLimits(requests_per_minute=limits.requests_per_minute, burst=limits.burst,
+                             max_concurrent=limits.max_concurrent_requests)
+    gateway = embedded_gateway(engine, tokenizer, model_name=name, api_keys=keys, max_tokens_limit=max_tokens_limit,
+                               rate_limiter=MemoryRateLimiter(rate_limits), max_body_bytes=limits.max_body_bytes,
+                               max_prompt_tokens=limits.max_prompt_tokens or None)
+    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d%s; %s)", name, host, port, drafter, gamma,
+             f", {len(keys.ids)} API keys required" if keys else "", rate_limits.describe())
     try:
-        uvicorn.run(gateway.app, host=host, port=port, log_level=log_level)
+        uvicorn.Server(uvicorn_config(gateway.app, limits=limits, host=host, port=port, log_level=log_level)).run()
     finally:
         gateway.close()
         engine.shutdown()

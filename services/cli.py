@@ -9,12 +9,15 @@
 Configuration (dspark/serving_config.py): defaults <- `--config FILE` (or $DSPARK_CONFIG) <-
 DSPARK_<SECTION>_<KEY> environment variables <- the flags below (only those given).
 
-`dspark up` writes the resolved configuration to a temporary file, starts the verifier and the
+`dspark up` writes the resolved configuration (with a random rpc.auth_token for the internal
+calls unless one is configured) to a temporary file only it can read, starts the verifier and the
 drafter (in parallel: both load the model), waits until each reports SERVING on grpc.health.v1,
 then starts the scheduler and, when a Redis URL is configured, the gateway over the bus
-(`dspark gateway`, gateway/cli.py). It stops them all, in reverse order, on Ctrl-C or as soon as
-one of them exits. Each child runs in its own session, so that Ctrl-C reaches `up` only and the
-shutdown order is ours.
+(`dspark gateway`, gateway/cli.py). Once all are ready it supervises them (services/supervisor.py):
+a service that exits or is killed is started again, with backoff, and `up` prints one JSON line
+per restart ({"restarted": name, "pid": ..., "restarts": n, "exit_status": s}); the others ride
+it out (dspark/engine/faults.py). It stops them all, in reverse order, on Ctrl-C or SIGTERM.
+Each child runs in its own session, so that Ctrl-C reaches `up` only and the shutdown order is ours.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import tempfile
 import time
 from dataclasses import fields
 from pathlib import Path
+
+from services.supervisor import Child, Supervisor
 
 __all__ = ["add_service_parsers", "cmd_drafter", "cmd_scheduler", "cmd_up", "cmd_verifier", "config_from_args"]
 
@@ -90,11 +95,13 @@ def _add_drafter(p: argparse.ArgumentParser) -> None:
 
 def _run(args: argparse.Namespace, section: str | None, serve) -> int:
     """Serve until stopped: exit 0; 2 for a bad configuration; 1 when a service it needs is unreachable."""
+    from dspark.observability.tracing import setup_tracing
     from services.grpc_common import ServiceError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args, section)
+        setup_tracing(config.observability, service=section or "up")  # OTLP if configured (dspark/observability)
         serve(config)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -136,9 +143,21 @@ def _child_env(config_sections: list[str]) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
 
 
-def _gateway_command(config) -> list[str] | None:
+def _with_internal_token(config):
+    """`config`, with a fresh random rpc.auth_token when none is configured: the children
+    authenticate their calls to each other (services/grpc_auth.py) with it. A client of the
+    scheduler's gRPC API needs a token of its own: configure one (DSPARK_RPC_AUTH_TOKEN)."""
+    if config.rpc.auth_token:
+        return config
+    from services.grpc_auth import generate_token
+
+    return config.updated({"rpc": {"auth_token": generate_token()}})
+
+
+def _gateway_command(config, config_path: Path | None = None) -> list[str] | None:
     """How `up` starts the HTTP gateway: over the Redis bus (gateway/cli.py), if a Redis URL is
-    configured; None otherwise (then clients use the scheduler's gRPC API, or `dspark serve`)."""
+    configured; None otherwise (then clients use the scheduler's gRPC API, or `dspark serve`).
+    The gateway reads its keys and limits from `config_path` (the file the children share)."""
     if not config.redis.url:
         return None
     g = config.gateway
@@ -148,6 +167,8 @@ def _gateway_command(config) -> list[str] | None:
         cmd += ["--max-model-len", str(config.model.max_model_len)]
     if g.model_name:
         cmd += ["--served-model-name", g.model_name]
+    if config_path is not None:
+        cmd += ["--config", str(config_path)]
     return cmd
 
 
@@ -187,6 +208,11 @@ def _stop(children: list[tuple[str, subprocess.Popen]], timeout: float = 15.0) -
             proc.wait()
 
 
+def _report_restart(child: Child, exit_status: int) -> None:
+    print(json.dumps({"restarted": child.name, "pid": child.process.pid, "restarts": child.restarts, "exit_status": exit_status}),
+          flush=True)
+
+
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -198,7 +224,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args, None)
+        config = _with_internal_token(config_from_args(args, None))
         zero = [s for s in ("verifier", "drafter", "scheduler", "gateway") if getattr(config, s).port == 0]
         if zero:
             raise ValueError(f"`dspark up` needs fixed ports (the services dial each other), got port 0 for {zero}")
@@ -211,15 +237,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         signal.signal(signum, _raise_keyboard_interrupt)
     with tempfile.TemporaryDirectory(prefix="dspark-up-") as tmp:
         path = Path(tmp) / "serving.json"
+        path.touch(mode=0o600)  # it holds the internal token (and the API keys' hashes)
         path.write_text(config.to_json())
         env = _child_env([f.name for f in fields(ServingConfig)])
-        children: list[tuple[str, subprocess.Popen]] = []
-
-        def start(name: str, cmd: list[str]) -> subprocess.Popen:
-            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-            children.append((name, proc))
-            log.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd[2:]))
-            return proc
+        supervisor = Supervisor(lambda cmd: subprocess.Popen(cmd, env=env, start_new_session=True), on_restart=_report_restart)
+        start = supervisor.start
 
         def service(name: str) -> list[str]:
             return [sys.executable, "-m", "dspark.cli", name, "--config", str(path), "--log-level", args.log_level]
@@ -232,19 +254,17 @@ def cmd_up(args: argparse.Namespace) -> int:
             wait_until_serving(config.drafter.dial, DRAFTER_SERVICE, timeout=timeout, alive=lambda: drafter.poll() is None)
             scheduler = start("scheduler", service("scheduler"))
             wait_until_serving(config.scheduler.dial, SCHEDULER_SERVICE, timeout=timeout, alive=lambda: scheduler.poll() is None)
-            gateway_cmd = _gateway_command(config)
+            gateway_cmd = _gateway_command(config, path)
             if gateway_cmd is not None:
                 gateway = start("gateway", gateway_cmd)
                 _wait_http(config.gateway.host, config.gateway.port, timeout=timeout, alive=lambda: gateway.poll() is None)
-            ready = {name: proc.pid for name, proc in children}
+            ready = {name: proc.pid for name, proc in supervisor.processes()}
             endpoints = {"verifier": config.verifier.dial, "drafter": config.drafter.dial, "scheduler": config.scheduler.dial}
             if gateway_cmd is not None:
                 endpoints["gateway"] = f"http://{config.gateway.host}:{config.gateway.port}/v1"
             print(json.dumps({"ready": ready, "endpoints": endpoints}), flush=True)  # one line a script can wait for
             while True:
-                for name, proc in children:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"{name} exited with status {proc.returncode}")
+                supervisor.poll()
                 time.sleep(0.5)
         except KeyboardInterrupt:
             log.info("Ctrl-C: stopping all services")
@@ -253,7 +273,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
             return 1
         finally:
-            _stop(children)
+            _stop(supervisor.processes())
 
 
 # ---- registration -------------------------------------------------------------------------------

@@ -9,8 +9,13 @@ and `rpc_errors(context)`: the one place where library exceptions become status 
 Clients (`call`, `make_channel`): every call carries a deadline, and a failed call becomes an
 exception that says which service and RPC failed and why: ValueError (INVALID_ARGUMENT),
 KVBudgetExceeded (RESOURCE_EXHAUSTED raised by a verifier for lack of KV), DeadlineExceeded,
-ServiceUnavailable, or ServiceError for the rest. The engine treats them like local errors: a
-KVBudgetExceeded queues the request, anything else fails the round's requests with a message.
+ServiceUnavailable, or ServiceError for the rest. A KVBudgetExceeded queues the request; a
+ServiceError (all three) is a PartFailure the engine recovers from (dspark/engine/faults.py).
+
+Both sides take `auth_token` (rpc.auth_token): servers then refuse every call but health without
+it (UNAUTHENTICATED), channels send it on every call (services/grpc_auth.py). Every channel and
+server also carries the W3C trace context in the metadata, with CLIENT / SERVER spans while
+tracing is on (dspark/observability/grpc_tracing.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dspark.engine.faults import PartFailure
 from dspark.model.kv_cache import KVBudgetExceeded
+from dspark.observability.grpc_tracing import ClientTracingInterceptor, ServerTracingInterceptor
+from services.grpc_auth import TokenAuthInterceptor, authenticated_channel, warn_if_exposed
 
 __all__ = [
     "DeadlineExceeded", "GrpcServer", "RpcAbort", "ServiceError", "ServiceUnavailable", "call", "channel_options", "check_health",
@@ -44,8 +52,9 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name  # "
 # ---- client side -------------------------------------------------------------------------------
 
 
-class ServiceError(RuntimeError):
-    """A call to another service failed for a reason that is not the request's fault."""
+class ServiceError(PartFailure):
+    """A call to another service failed for a reason that is not the request's fault (the engine
+    recovers from it: dspark/engine/faults.py)."""
 
 
 class DeadlineExceeded(ServiceError):
@@ -61,8 +70,16 @@ def channel_options(max_message_mb: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", size), ("grpc.max_receive_message_length", size)]
 
 
-def make_channel(address: str, *, max_message_mb: int = 512) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=channel_options(max_message_mb))
+# A restarted service is dialled again within about a second (gRPC's default backoff grows to 120 s).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
+
+
+def make_channel(address: str, *, max_message_mb: int = 512, auth_token: str = "") -> grpc.Channel:
+    """A channel to `address` whose calls carry `auth_token` (services/grpc_auth.py; "" = none)."""
+    channel = authenticated_channel(grpc.insecure_channel(address, options=channel_options(max_message_mb) + RECONNECT_OPTIONS),
+                                    auth_token)
+    return grpc.intercept_channel(channel, ClientTracingInterceptor())  # trace context in the metadata (dspark/observability)
 
 
 def translate_rpc_error(err: grpc.RpcError, *, where: str, timeout: float | None) -> Exception:
@@ -170,10 +187,14 @@ def create_server(
     bind: str,
     max_message_mb: int = 512,
     max_workers: int = 8,
+    auth_token: str = "",  # required of every call but health (services/grpc_auth.py); "" = none
 ) -> GrpcServer:
     """Start a server on `bind` (host:port, port 0 = any free one) with our servicers, health
     (SERVING for "" and each service name) and reflection (our services + health + reflection)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(max_message_mb))
+    warn_if_exposed(bind, auth_token, "/".join(service_names))
+    interceptors = [ServerTracingInterceptor()] + ([TokenAuthInterceptor(auth_token)] if auth_token else [])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(max_message_mb),
+                         interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -6,6 +6,7 @@
     dspark bench serve --url http://127.0.0.1:8000 --policies dspark --concurrency 1,4    # a running server
     dspark bench serve --policies dspark --rate 0.5,1,2 --duration 120                     # open loop (Poisson)
     dspark bench plot --csv docs/results/serving.csv --out docs/results/
+    dspark bench soak --duration 180 --concurrency 8                                     # leak check (dspark/bench/soak.py)
 
 `bench serve` starts `dspark serve` for each policy in turn (a free port, /health, stopped after;
 its log in --server-log-dir), or with --url loads a server already running (then --policies
@@ -90,6 +91,10 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--baseline", default="none", help="the policy no other may fall below")
     p.add_argument("--sla", type=_floats, default=(10.0, 20.0), help="per-user tokens/s SLAs, e.g. 10,20")
     p.set_defaults(func=cmd_bench_plot)
+
+    from dspark.bench.soak import add_soak_parser
+
+    add_soak_parser(sub)
 
 
 def _check_args(args) -> str | None:

@@ -27,11 +27,19 @@ from dataclasses import dataclass
 
 from dspark.bus.messages import BusRequest, OutputEvent, OutputStats
 
-__all__ = ["Bus", "BusFull", "CancelSubscription", "Delivery", "DuplicateRequest", "LostOwnership", "Published", "UnknownRequest"]
+__all__ = [
+    "Bus", "BusFull", "BusUnavailable", "CancelSubscription", "Delivery", "DuplicateRequest", "LostOwnership", "Published",
+    "UnknownRequest",
+]
 
 
 class BusFull(RuntimeError):
     """The request stream holds its maximum number of requests: retry later (HTTP 503)."""
+
+
+class BusUnavailable(ConnectionError):
+    """The bus cannot be reached now (its server restarts, the connection was lost): retry later.
+    A subclass of the built-in ConnectionError, so callers that handle that (HTTP 503) handle this."""
 
 
 class DuplicateRequest(ValueError):

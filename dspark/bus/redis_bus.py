@@ -21,21 +21,35 @@ stream: a presumed-dead consumer that wakes up cannot duplicate or interleave to
 Output streams: gateways XREAD BLOCK from an event id (an SSE client's Last-Event-ID); each
 publish sets the TTL (`pending_ttl_s` while running, `finished_ttl_s` after the final event) and
 trims to about `max_stream_len` events. Standalone Redis: the submit script touches two slots.
+
+Redis restarts. A call that cannot reach Redis raises BusUnavailable (a ConnectionError: the
+gateway answers 503). A tail, a publish and an ack retry instead, for up to `reconnect_timeout_s`,
+so that streams in flight go on once Redis is back: a tail resumes after the last event it
+yielded, and a publish whose reply was lost with the connection is not appended twice (the retry
+finds the stream already at the event's end). Whether requests survive a restart is Redis's
+persistence (AOF or an RDB snapshot); a Redis that lost its data has lost the requests: a publish
+then raises LostOwnership and a tail UnknownRequest, and the consumer group is created again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from dspark.bus.base import (
     Bus,
     BusFull,
+    BusUnavailable,
     CancelSubscription,
     Delivery,
     DuplicateRequest,
@@ -50,6 +64,16 @@ __all__ = ["RedisBus"]
 log = logging.getLogger(__name__)
 
 _STREAM_ID = re.compile(r"^\d+-\d+$")
+T = TypeVar("T")
+
+
+@contextlib.contextmanager
+def _reaching(what: str) -> Iterator[None]:
+    """Redis's connection errors (refused, lost, timed out, still loading its data) as BusUnavailable."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError) as e:
+        raise BusUnavailable(f"{what}: Redis is unreachable: {e}") from None
 
 # KEYS: requests stream, state hash. ARGV: request JSON, max queue, pending TTL (ms).
 _SUBMIT = """
@@ -102,7 +126,8 @@ class _RedisCancelSubscription(CancelSubscription):
 
     async def __anext__(self) -> str:
         while not self._closed:
-            msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            with _reaching("cancel subscription"):  # the next read connects and subscribes again
+                msg = await self._pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if msg is not None and msg.get("type") == "message":
                 return msg["data"]
         raise StopAsyncIteration
@@ -125,10 +150,14 @@ class RedisBus(Bus):
         cancel_ttl_s: float = 600.0,
         max_queue: int = 10_000,
         max_stream_len: int = 100_000,
-        tail_block_s: float = 5.0,  # one XREAD BLOCK; between two, the tail checks the request still exists
+        # one XREAD BLOCK, under redis-py's 5 s socket timeout (a longer one times out and reconnects);
+        # between two, the tail checks that the request still exists
+        tail_block_s: float = 2.0,
+        reconnect_timeout_s: float = 30.0,  # how long a tail, publish or ack retries while Redis is unreachable
     ):
         for name, value in (("claim_idle_s", claim_idle_s), ("finished_ttl_s", finished_ttl_s),
-                            ("pending_ttl_s", pending_ttl_s), ("cancel_ttl_s", cancel_ttl_s), ("tail_block_s", tail_block_s)):
+                            ("pending_ttl_s", pending_ttl_s), ("cancel_ttl_s", cancel_ttl_s), ("tail_block_s", tail_block_s),
+                            ("reconnect_timeout_s", reconnect_timeout_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if max_queue < 1 or max_stream_len < 1:
@@ -141,6 +170,7 @@ class RedisBus(Bus):
         self.pending_ttl_s, self.cancel_ttl_s = pending_ttl_s, cancel_ttl_s
         self.max_queue, self.max_stream_len = max_queue, max_stream_len
         self.tail_block_s = tail_block_s
+        self.reconnect_timeout_s = reconnect_timeout_s
         self.requests_key = f"{prefix}:requests"
         self.cancel_channel = f"{prefix}:cancel"
         self._submit = client.register_script(_SUBMIT)
@@ -173,6 +203,22 @@ class RedisBus(Bus):
     async def close(self) -> None:
         await self.redis.aclose()
 
+    async def _reconnecting(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
+        """`await call()`, again every 0.25 s while Redis is unreachable, for up to reconnect_timeout_s."""
+        deadline = None
+        while True:
+            try:
+                with _reaching(what):
+                    return await call()
+            except BusUnavailable as e:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.reconnect_timeout_s
+                    log.warning("%s; retrying for up to %.0f s", e, self.reconnect_timeout_s)
+                elif now >= deadline:
+                    raise
+            await asyncio.sleep(0.25)
+
     async def _ensure_group(self) -> None:
         if self._group_ready:
             return
@@ -186,10 +232,11 @@ class RedisBus(Bus):
     # ---- gateway side ----------------------------------------------------------------------
 
     async def submit(self, request: BusRequest) -> None:
-        await self._ensure_group()
         try:
-            await self._submit(keys=[self.requests_key, self.state_key(request.request_id)],
-                               args=[request.to_json(), self.max_queue, _ms(self.pending_ttl_s)])
+            with _reaching("submit"):
+                await self._ensure_group()
+                await self._submit(keys=[self.requests_key, self.state_key(request.request_id)],
+                                   args=[request.to_json(), self.max_queue, _ms(self.pending_ttl_s)])
         except ResponseError as e:
             if "DSPARK_DUPLICATE" in str(e):
                 raise DuplicateRequest(f"request id {request.request_id!r} was already submitted") from None
@@ -201,20 +248,21 @@ class RedisBus(Bus):
         if after is not None and not (isinstance(after, str) and _STREAM_ID.match(after)):
             raise ValueError(f"event id {after!r} is not a Redis stream id (<ms>-<seq>)")
         out_key, state_key = self.output_key(request_id), self.state_key(request_id)
-        if not await self.redis.exists(state_key, out_key):
+        where = f"tail of {request_id!r}"
+        if not await self._reconnecting(where, lambda: self.redis.exists(state_key, out_key)):
             raise UnknownRequest(f"no request {request_id!r} on the bus (never submitted, or expired)")
         last = after or "0-0"
         # A finished request: read what is left without blocking (possibly nothing, after its last event).
-        finished = await self.redis.hget(state_key, "finished") == "1"
+        finished = await self._reconnecting(where, lambda: self.redis.hget(state_key, "finished")) == "1"
         while True:
             block = None if finished else _ms(self.tail_block_s)
-            response = await self.redis.xread({out_key: last}, count=512, block=block)
+            response = await self._reconnecting(where, lambda: self.redis.xread({out_key: last}, count=512, block=block))
             if not response:
                 if finished:
                     return
-                if not await self.redis.exists(state_key, out_key):
+                if not await self._reconnecting(where, lambda: self.redis.exists(state_key, out_key)):
                     raise UnknownRequest(f"request {request_id!r} expired while being tailed")
-                finished = await self.redis.hget(state_key, "finished") == "1"
+                finished = await self._reconnecting(where, lambda: self.redis.hget(state_key, "finished")) == "1"
                 continue
             for event_id, fields in response[0][1]:
                 last = event_id
@@ -224,23 +272,36 @@ class RedisBus(Bus):
                     return
 
     async def cancel(self, request_id: str) -> None:
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(self.cancel_key(request_id), "1", px=_ms(self.cancel_ttl_s))
-            pipe.publish(self.cancel_channel, request_id)
-            await pipe.execute()
+        with _reaching("cancel"):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(self.cancel_key(request_id), "1", px=_ms(self.cancel_ttl_s))
+                pipe.publish(self.cancel_channel, request_id)
+                await pipe.execute()
 
     async def lookup(self, request_id: str) -> BusRequest | None:
-        text = await self.redis.hget(self.state_key(request_id), "request")
+        with _reaching("lookup"):
+            text = await self.redis.hget(self.state_key(request_id), "request")
         return None if text is None else BusRequest.from_json(text)
 
     async def queue_depth(self) -> int:
-        return int(await self.redis.xlen(self.requests_key))
+        with _reaching("queue depth"):
+            return int(await self.redis.xlen(self.requests_key))
 
     # ---- worker side -----------------------------------------------------------------------
 
     async def consume(self, consumer: str, *, max_count: int, block_s: float) -> list[Delivery]:
         if max_count < 1:
             raise ValueError(f"max_count must be >= 1, got {max_count}")
+        try:
+            with _reaching("consume"):
+                return await self._consume(consumer, max_count=max_count, block_s=block_s)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self._group_ready = False  # Redis restarted without its data: the next call creates the group again
+            raise BusUnavailable(f"consume: the consumer group is gone ({e})") from None
+
+    async def _consume(self, consumer: str, *, max_count: int, block_s: float) -> list[Delivery]:
         await self._ensure_group()
         entries: list[tuple[str, dict | None]] = []
         if consumer not in self._resumed_consumers:  # restarted under the same name: our own pending entries
@@ -287,13 +348,23 @@ class RedisBus(Bus):
     async def publish(self, delivery: Delivery, event: OutputEvent) -> str:
         rid = delivery.request.request_id
         ttl = self.finished_ttl_s if event.final else self.pending_ttl_s
-        try:
+        attempts = 0
+
+        async def attempt() -> str:
+            nonlocal attempts
+            attempts += 1
             return await self._publish(
                 keys=[self.state_key(rid), self.output_key(rid)],
                 args=[delivery.epoch, event.offset, event.end, int(event.final), event.to_json(), self.max_stream_len, _ms(ttl)],
             )
+
+        try:
+            return await self._reconnecting(f"publish to {rid!r}", attempt)
         except ResponseError as e:
             message = str(e)
+            if attempts > 1 and _landed(message, event):  # an earlier attempt landed; its reply was lost
+                log.info("publish to %r: the event at offset %d was already appended", rid, event.offset)
+                return ""
             if "DSPARK_OFFSET" in message:
                 raise ValueError(f"event offset {event.offset} does not continue the output stream of {rid!r} "
                                  f"({message.split()[-1]} tokens published)") from None
@@ -302,7 +373,7 @@ class RedisBus(Bus):
             raise
 
     async def ack(self, delivery: Delivery) -> None:
-        await self._drop_entry(delivery.entry_id)
+        await self._reconnecting(f"ack of {delivery.request.request_id!r}", lambda: self._drop_entry(delivery.entry_id))
 
     async def _drop_entry(self, entry_id: str) -> None:
         async with self.redis.pipeline(transaction=True) as pipe:
@@ -312,15 +383,27 @@ class RedisBus(Bus):
 
     async def keep_alive(self, consumer: str, entry_ids: list[str]) -> None:
         if entry_ids:
-            await self._keep_alive(keys=[self.requests_key], args=[self.group, consumer, *entry_ids])
+            with _reaching("keep-alive"):
+                await self._keep_alive(keys=[self.requests_key], args=[self.group, consumer, *entry_ids])
 
     async def is_cancelled(self, request_id: str) -> bool:
-        return bool(await self.redis.exists(self.cancel_key(request_id)))
+        with _reaching("is_cancelled"):
+            return bool(await self.redis.exists(self.cancel_key(request_id)))
 
     async def subscribe_cancellations(self) -> CancelSubscription:
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.cancel_channel)
+        with _reaching("subscribe"):
+            await pubsub.subscribe(self.cancel_channel)
         return _RedisCancelSubscription(pubsub)
+
+
+def _landed(error: str, event: OutputEvent) -> bool:
+    """Whether a publish script's refusal says that this very event is already on the stream: its
+    offset moved to the event's end (tokens), or, for a final event, the request is finished under
+    the caller's epoch (the script checks the epoch first)."""
+    if "DSPARK_OFFSET" in error:
+        return event.end > event.offset and error.split()[-1] == str(event.end)
+    return event.final and "DSPARK_FINISHED" in error
 
 
 def _entries(response) -> list[tuple[str, dict | None]]:

@@ -23,50 +23,46 @@ event per engine round; the request is acknowledged after its final event. A can
 aborts the engine request (its KV and drafter state are freed at the engine's next loop
 iteration) and publishes a final `cancelled` event. When the worker stops, its requests are
 aborted in the engine but neither finished nor acknowledged: another worker re-claims them.
+
+The bus going away (BusUnavailable: Redis restarting) stops nothing: consuming is retried every
+second, and a publish or ack retries by itself (RedisBus.reconnect_timeout_s) while the engine
+goes on; a request whose publish still fails stays pending and is re-claimed later.
+
+Tracing: each request is served inside a `scheduler.request` span, the child of the span whose
+W3C traceparent the message carries (the gateway's), so one trace follows a request from the
+gateway through this worker into the engine's rounds (dspark/observability/tracing.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from dspark.bus.base import Bus, Delivery, LostOwnership
+from opentelemetry.trace import SpanKind
+
+from dspark.bus.base import Bus, BusUnavailable, Delivery, LostOwnership
 from dspark.bus.messages import EventError, OutputEvent, OutputStats
 from dspark.engine.async_engine import AsyncEngine, EngineError, RequestStream
+from dspark.engine.faults import continuation_params, continuation_seed
 from dspark.engine.speculative import GenerationRequest
-from dspark.sampling.params import SamplingParams
+from dspark.observability import tracing
 
 __all__ = ["WorkerThread", "continuation_request", "continuation_seed", "run_worker", "start_worker_thread"]
 
 log = logging.getLogger(__name__)
 
-SEED_MODULUS = 2**63  # what torch.Generator.manual_seed accepts, non-negative
-
-
-def continuation_seed(seed: int, offset: int) -> int:
-    """The seed of a seeded request continued after `offset` published tokens (offset 0: the seed)."""
-    if offset == 0:
-        return seed
-    digest = hashlib.blake2b(f"dspark-continuation:{seed}:{offset}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % SEED_MODULUS
-
-
 def continuation_request(delivery: Delivery) -> GenerationRequest:
-    """The engine request that produces what the delivery's output stream still lacks."""
+    """The engine request that produces what the delivery's output stream still lacks (a seeded
+    request continues with `continuation_seed(seed, len(published))`, dspark/engine/faults.py)."""
     req, published = delivery.request, delivery.published.token_ids
-    params = req.params
-    if params.seed is not None and published:
-        params = SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                                seed=continuation_seed(params.seed, len(published)))
     return GenerationRequest(
         request_id=req.request_id,
         prompt_ids=req.prompt_ids + published,
         max_new_tokens=req.max_new_tokens - len(published),
-        params=params,
+        params=continuation_params(req.params, len(published)),
         stop_token_ids=req.stop_token_ids,
     )
 
@@ -118,6 +114,10 @@ async def run_worker(
                 continue
             try:
                 deliveries = await bus.consume(consumer, max_count=room, block_s=block_s)
+            except BusUnavailable as e:
+                log.warning("consuming from the bus failed (%s); retrying", e)
+                await asyncio.wait([stopping], timeout=1.0)
+                continue
             except Exception:
                 log.exception("consuming from the bus failed; retrying")
                 await asyncio.wait([stopping], timeout=1.0)
@@ -129,7 +129,7 @@ async def run_worker(
                     continue
                 job = _Job(delivery)
                 jobs[rid] = job
-                job.task = asyncio.create_task(_serve(bus, engine, job, jobs), name=f"{consumer}:{rid}")
+                job.task = asyncio.create_task(_serve_traced(bus, engine, job, jobs), name=f"{consumer}:{rid}")
     finally:
         stopping.cancel()
         for job in list(jobs.values()):
@@ -154,7 +154,10 @@ async def _forward_cancellations(cancels, jobs: dict[str, _Job]) -> None:
                     job.cancel_requested = True
                     job.task.cancel()
             return
-        except Exception:  # a dropped connection: the subscription resubscribes on the next read
+        except BusUnavailable as e:  # the subscription connects and subscribes again on the next read
+            log.warning("reading cancel signals failed (%s); retrying", e)
+            await asyncio.sleep(1.0)
+        except Exception:
             log.exception("reading cancel signals failed; retrying")
             await asyncio.sleep(1.0)
 
@@ -165,8 +168,29 @@ async def _keep_alive(bus: Bus, consumer: str, jobs: dict[str, _Job], stop: asyn
         await asyncio.sleep(interval)
         try:
             await bus.keep_alive(consumer, [j.delivery.entry_id for j in list(jobs.values())])
+        except BusUnavailable as e:
+            log.warning("keep-alive on the bus failed (%s)", e)
         except Exception:
             log.exception("keep-alive on the bus failed")
+
+
+async def _serve_traced(bus: Bus, engine: AsyncEngine, job: _Job, jobs: dict[str, _Job]) -> None:
+    """`_serve` inside the request's span: the child of the gateway's (the message's traceparent),
+    current while the engine takes the request (so its rounds join the trace), ended with its totals."""
+    req = job.delivery.request
+    parent = tracing.extract({"traceparent": req.traceparent} if req.traceparent else {})
+    attributes = {"dspark.request_id": req.request_id, "dspark.prompt_tokens": len(req.prompt_ids),
+                  "dspark.max_new_tokens": req.max_new_tokens, "dspark.resumed_at": len(job.delivery.published.token_ids)}
+    with tracing.tracer().start_as_current_span("scheduler.request", context=parent, kind=SpanKind.CONSUMER,
+                                                attributes=attributes) as span:
+        try:
+            await _serve(bus, engine, job, jobs)
+        finally:
+            stats = job.last_stats
+            if stats is not None and span.is_recording():
+                span.set_attributes({"dspark.completion_tokens": stats.completion_tokens, "dspark.rounds": stats.rounds,
+                                     "dspark.draft_tokens": stats.draft_tokens, "dspark.accepted_tokens": stats.accepted_tokens,
+                                     "dspark.mean_accepted_length": stats.mean_accepted_length})
 
 
 async def _serve(bus: Bus, engine: AsyncEngine, job: _Job, jobs: dict[str, _Job]) -> None:

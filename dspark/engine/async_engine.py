@@ -19,6 +19,17 @@ starves); run one `step()` if anything is running; publish every step output. A 
 fails for lack of KV unless it could not fit even into an empty cache (rejected up front). An
 error in `add_request` fails that request only; an exception in `step()` fails the requests that
 were running (their KV is released) and the loop goes on with the waiting ones.
+
+Faults of a remote drafter or verifier (dspark/engine/faults.py) are recovered from in `step()`;
+the loop only adds three things: it sleeps while every running request waits for the verifier
+(`stalled_for_s`, woken early by a command), the head of the queue waits while the verifier is
+down (up to `faults.verifier_timeout_s`, then it fails with EngineError), and RequestsFailed from
+a step fails exactly the requests it names.
+
+Observability: `submit` captures the caller's current span (the bus worker's request span), so
+the request's admission calls and rounds join its trace; the loop publishes the queue depth and
+running count, and each request's time to first token, inter-token latency and end, to the
+metrics of dspark/observability/metrics.py (the round's own metrics: SpeculativeEngine.step).
 """
 
 from __future__ import annotations
@@ -27,12 +38,18 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from opentelemetry.trace import SpanContext
+
+from dspark.engine.faults import PartFailure, RequestsFailed
 from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
 from dspark.model.kv_cache import KVBudgetExceeded
+from dspark.observability import tracing
+from dspark.observability.metrics import RequestTiming, engine_metrics
 
 __all__ = ["AsyncEngine", "EngineError", "GenerationDelta", "GenerationStats", "RequestStream"]
 
@@ -85,6 +102,8 @@ class _Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue  # GenerationDelta | BaseException | _ACCEPTED, filled by the engine thread
     state: RequestState | None = None  # set by the engine thread on admission
+    span_context: SpanContext | None = None  # the submitter's span: the request's rounds join its trace
+    timing: RequestTiming = field(default_factory=RequestTiming)  # arrival and emissions, for TTFT / ITL
 
 
 class RequestStream:
@@ -141,6 +160,7 @@ class AsyncEngine:
         # snapshots the engine thread publishes for health checks and metrics
         self.num_waiting = 0
         self.num_running = 0
+        self.metrics = engine_metrics()  # dspark/observability/metrics.py
 
     @property
     def runtime(self):
@@ -177,7 +197,8 @@ class AsyncEngine:
     async def submit(self, request: GenerationRequest) -> RequestStream:
         """Queue a request; returns once the engine thread has validated it (raises ValueError if
         it cannot be served at all). Generation starts when its KV fits."""
-        handle = _Handle(request=request, loop=asyncio.get_running_loop(), events=asyncio.Queue())
+        handle = _Handle(request=request, loop=asyncio.get_running_loop(), events=asyncio.Queue(),
+                         span_context=tracing.current_span_context())
         self._send(("add", handle))
         try:
             first = await handle.events.get()
@@ -230,9 +251,12 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished
+            stalled_s = self.engine.stalled_for_s()  # > 0: every running request waits for the verifier
+            idle = not self.engine.has_unfinished or stalled_s > 0
             # Block when there is nothing to step; poll if a request waits for KV held elsewhere.
             timeout = None if not self._waiting else self.idle_poll_s
+            if stalled_s > 0:
+                timeout = min(stalled_s, timeout or stalled_s)
             if not self._drain_commands(block=idle, timeout=timeout):
                 return
             self._admit_waiting()
@@ -253,6 +277,8 @@ class AsyncEngine:
             if kind == "add":
                 self._accept(handle)
             elif kind == "abort":
+                if self._live.get(handle.request.request_id) is handle:
+                    self.metrics.record_end("abort")
                 self._abort(handle)
 
     def _accept(self, handle: _Handle) -> None:
@@ -272,10 +298,18 @@ class AsyncEngine:
         while self._waiting:
             handle = self._waiting[0]
             rid = handle.request.request_id
+            outage = self.engine.verifier_outage
+            if outage is not None and time.monotonic() < outage.retry_at and not self._verifier_given_up(handle):
+                return  # the head waits for the verifier's next try
             try:
-                self.engine.add_request(handle.request)
+                with tracing.use_span_context(handle.span_context):  # the request's trace (module docstring)
+                    self.engine.add_request(handle.request)
             except KVBudgetExceeded:
                 return  # FIFO: the head waits until running requests free their KV
+            except PartFailure as e:
+                if not self._verifier_given_up(handle, e):
+                    return  # FIFO: the head waits for the verifier to come back
+                continue
             except Exception as e:  # ValueError or worse: that request's problem only
                 self._waiting.popleft()
                 self._live.pop(rid, None)
@@ -285,9 +319,28 @@ class AsyncEngine:
             handle.state = self.engine.running[rid]
             self._running[rid] = handle
 
+    def _verifier_given_up(self, head: _Handle, error: PartFailure | None = None) -> bool:
+        """True (and the head failed) once the verifier has been down longer than the engine waits."""
+        outage, limit = self.engine.verifier_outage, self.engine.faults.verifier_timeout_s
+        if outage is None or outage.seconds <= limit:
+            return False
+        self._waiting.popleft()
+        self._live.pop(head.request.request_id, None)
+        self._emit(head, EngineError(f"the verifier has not answered for {outage.seconds:.0f} s: {error or outage.error}"))
+        self.metrics.record_end("error")
+        return True
+
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RequestsFailed as e:  # the engine gave up on these (and released them); the others go on
+            for rid in e.request_ids:
+                handle = self._running.get(rid)
+                if handle is not None:
+                    self._forget(handle)
+                    self._emit(handle, EngineError(f"generation failed: {e}"))
+                    self.metrics.record_end("error")
+            return
         except Exception as e:
             log.exception("engine step failed; failing its %d running requests", len(self._running))
             error = EngineError(f"generation failed in the engine: {e!r}")
@@ -296,7 +349,9 @@ class AsyncEngine:
             for rid, handle in list(self._running.items()):
                 self._forget(handle)
                 self._emit(handle, error)
+                self.metrics.record_end("error")
             return
+        now = time.perf_counter()
         for out in outputs:
             handle = self._running.get(out.request_id)
             if handle is None:
@@ -307,6 +362,7 @@ class AsyncEngine:
                 finish_reason=out.finish_reason,
                 stats=GenerationStats.of(handle.state),
             )
+            self.metrics.record_output(handle.timing, len(out.new_token_ids), out.finish_reason, now)
             if out.finish_reason is not None:
                 self._forget(handle)  # the engine already released it
             if not self._emit(handle, delta) and out.finish_reason is None:
@@ -344,6 +400,7 @@ class AsyncEngine:
         for handle in list(self._live.values()):
             self._abort(handle)
             self._emit(handle, error)
+            self.metrics.record_end("error")
 
     def _emit(self, handle: _Handle, event) -> bool:
         try:
@@ -355,3 +412,4 @@ class AsyncEngine:
     def _publish_counts(self) -> None:
         self.num_waiting = len(self._waiting)
         self.num_running = len(self._running)
+        self.metrics.set_counts(waiting=self.num_waiting, running=self.num_running)

@@ -27,24 +27,39 @@ numbers: a draft token and the uniform that decides its acceptance must be indep
 Optional drafter hooks (a remote drafter implements them; in-process drafters need not):
 `add_request(request_id, prompt_ids, params)` before a request's first round,
 `observe_many({request_id: features})` instead of one `observe` per request, and
-`remove_requests(ids)` instead of one `remove_request` per id.
+`remove_requests(ids)` instead of one `remove_request` per id. `add_request` registers a request
+afresh: a remote part replaces whatever it still holds under that id (a dead scheduler's state).
+
+Faults (dspark/engine/faults.py): when the drafter or verifier lives in another process, a failed
+call (`PartFailure`) is recovered from here: a failed drafter leaves rounds without drafts (plain
+decoding, lossless) until it answers again and its requests are registered again; a failed
+verifier leaves its requests to be rebuilt (prompt + output so far, prefilled again) when it
+answers, within the bounds of `FaultPolicy`; past them the requests fail with RequestsFailed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from opentelemetry.trace import SpanContext
 
 from dspark.drafters.base import Drafter, DraftProposal, DraftRequest, NoDrafter
+from dspark.engine.faults import FaultPolicy, Outage, PartFailure, RequestsFailed, continuation_params
 from dspark.engine.verifier import PREFILL_ANCHOR, LocalVerifier, Verifier, VerifyBatch
+from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.model.target_runtime import TargetRuntime
+from dspark.observability import tracing
+from dspark.observability.rounds import RoundObserver
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import Policy
+
+log = logging.getLogger(__name__)
 
 _DRAFT_STREAM_SALT = 0x2545F4914F6CDD1D  # < 2**63, non-zero low 32 bits (the bits torch's CPU generator reads)
 
@@ -78,6 +93,10 @@ class RequestState:
     emitted_in_rounds: int = 0  # tokens emitted by decode rounds (accepted + corrected/bonus)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     first_token_time: float | None = None
+    drafter_synced: bool = True  # the drafter holds this request as of its tokens (False after a drafter failure)
+    needs_rebuild: bool = False  # its state on the verifier is lost or unknown: rebuild it before its next round
+    verifier_failures: int = 0  # its rounds the verifier failed (each one is followed by a rebuild, dspark/engine/faults.py)
+    span_context: SpanContext | None = None  # the request's trace (dspark/observability/tracing.py), None if untraced
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -121,6 +140,7 @@ class SpeculativeEngine:
         sampler_backend: str = "auto",  # "torch" | "triton" | "auto" (Triton kernel when CUDA is present)
         policy: Policy | None = None,  # how many drafts each request verifies; None = all of them (fixed:γ)
         verifier: Verifier | None = None,  # instead of `runtime`: a verifier elsewhere (RemoteVerifier)
+        faults: FaultPolicy | None = None,  # how failed remote parts are retried (dspark/engine/faults.py)
     ):
         if num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
@@ -148,14 +168,19 @@ class SpeculativeEngine:
             raise ValueError(f"policy {policy.spec!r} needs calibrated confidences; drafter {self.drafter.name!r} gives none")
         self.running: dict[str, RequestState] = {}
         self.counters = EngineCounters()
+        self.faults = faults if faults is not None else FaultPolicy()
+        self.drafter_outage: Outage | None = None  # the drafter failed and has not answered since
+        self.verifier_outage: Outage | None = None  # the verifier failed and no round has succeeded since
+        self._unfreed: dict[str, set[str]] = {"verifier": set(), "drafter": set()}  # ids a failed call could not free
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
 
     @classmethod
     def from_parts(
         cls, *, verifier: Verifier, drafter: Drafter | None = None, num_speculative_tokens: int = 7, policy: Policy | None = None,
+        faults: FaultPolicy | None = None,
     ) -> SpeculativeEngine:
         """The round loop over a given verifier and drafter (e.g. RemoteVerifier + RemoteDrafter)."""
-        return cls(None, drafter, num_speculative_tokens=num_speculative_tokens, policy=policy, verifier=verifier)
+        return cls(None, drafter, num_speculative_tokens=num_speculative_tokens, policy=policy, verifier=verifier, faults=faults)
 
     # ---- what the verifier fixed at start ------------------------------------------------
 
@@ -213,21 +238,30 @@ class SpeculativeEngine:
         return len(request.prompt_ids) + request.max_new_tokens
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Admit a request; raises KVBudgetExceeded when its KV cannot be reserved now."""
+        """Admit a request; raises KVBudgetExceeded when its KV cannot be reserved now. The span
+        current here is the request's: its admission calls and its rounds join that trace."""
         self.validate(request)
         rid = request.request_id
-        self.verifier.add_request(rid, request.prompt_ids, request.params, self.kv_tokens_needed(request))
-        register = getattr(self.drafter, "add_request", None)
-        if register is not None:
+        for unfreed in self._unfreed.values():
+            unfreed.discard(rid)  # adding replaces what a part still holds under this id
+        try:
+            self.verifier.add_request(rid, request.prompt_ids, request.params, self.kv_tokens_needed(request))
+        except PartFailure as e:
+            self._verifier_failed(e)  # AsyncEngine keeps the request waiting, up to faults.verifier_timeout_s
+            raise
+        self.verifier_outage = None  # it answers again (requests it lost are still marked for a rebuild)
+        synced = True
+        if hasattr(self.drafter, "add_request"):
             try:
-                register(rid, request.prompt_ids, request.params)
+                synced = self._register_with_drafter(rid, request.prompt_ids, request.params)
             except BaseException:
-                self.verifier.remove_request([rid])
+                self._free_on_verifier([rid])
                 raise
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-        self.running[rid] = RequestState(request=request, generator=torch.Generator().manual_seed(draft_stream_seed(seed)))
+        self.running[rid] = RequestState(request=request, generator=torch.Generator().manual_seed(draft_stream_seed(seed)),
+                                         drafter_synced=synced, span_context=tracing.current_span_context())
 
     def abort(self, request_id: str) -> None:
         state = self.running.pop(request_id, None)
@@ -238,13 +272,8 @@ class SpeculativeEngine:
     def _release(self, request_ids: list[str]) -> None:
         """Free finished or aborted requests everywhere: one verifier call (and one drafter call
         when the drafter takes a batch) for all of them."""
-        self.verifier.remove_request(request_ids)
-        remove_many = getattr(self.drafter, "remove_requests", None)
-        if remove_many is not None:
-            remove_many(request_ids)
-        else:
-            for rid in request_ids:
-                self.drafter.remove_request(rid)
+        self._free_on_verifier(request_ids)
+        self._free_on_drafter(request_ids)
         if self.policy is not None:
             for rid in request_ids:
                 self.policy.remove_request(rid)
@@ -257,20 +286,38 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """One round for every running request. If it raises (a drafter or verifier error, a
-        deadline), the round's requests are in an unknown state on the verifier (it may have
-        verified the round after all): abort them, as AsyncEngine does."""
+        """One round for every running request. A PartFailure of the drafter or verifier is recovered
+        from (module docstring), and a round that lost the verifier returns no output; requests that
+        cannot be recovered are released and named by RequestsFailed. If it raises anything else, the
+        round's requests are in an unknown state on the verifier: abort them, as AsyncEngine does."""
         states = list(self.running.values())
         if not states:
             return []
+        self._retry_frees()
+        self._recover_drafter(states)
+        if not self._recover_verifier(states):  # raises RequestsFailed for requests it gives up on
+            return []
+        with RoundObserver(self.counters.steps, [s.span_context for s in states]) as observed:
+            return self._round(states, observed)
+
+    def _round(self, states: list[RequestState], observed: RoundObserver) -> list[StepOutput]:
         decoding = [s for s in states if s.prefilled]
-        proposals = self._propose(decoding)
-        if self.policy is not None and decoding:
-            lengths = self._draft_lengths(decoding, proposals)
-            proposals = [p.truncated(int(n)) for p, n in zip(proposals, lengths)]
+        with observed.phase("draft"):
+            proposals = self._propose(decoding)
+        with observed.phase("schedule"):
+            if self.policy is not None and decoding:
+                prefilling = [s for s in states if not s.prefilled]
+                lengths = self._draft_lengths(decoding, proposals, prefilling)
+                proposals = [p.truncated(int(n)) for p, n in zip(proposals, lengths)]
         draft_of = {s.request.request_id: p for s, p in zip(decoding, proposals)}
 
-        verified = self.verifier.verify(self._verify_batch(states, draft_of))
+        with observed.phase("verify"):
+            try:
+                verified = self.verifier.verify(self._verify_batch(states, draft_of))
+            except PartFailure as e:  # the requests' state on the verifier is now unknown
+                self._verifier_failed(e, states)
+                return []
+        self.verifier_outage = None
         num_accepted = verified.result.num_accepted.tolist()
         tokens = verified.result.output_token_ids.tolist()
         self.counters.steps += 1
@@ -278,12 +325,16 @@ class SpeculativeEngine:
             self._hand_over_features(states, verified.hidden_states, verified.num_hidden_positions)
 
         outputs, finished = [], []
+        round_drafts, round_accepted, round_emitted, prefill_tokens = [], [], [], 0  # per decoding request, for the metrics
         now = time.perf_counter()
         for i, s in enumerate(states):
             a = num_accepted[i]
             emitted = tokens[i][: a + 1]
             if s.prefilled:
                 num_drafts = len(draft_of[s.request.request_id])
+                round_drafts.append(num_drafts)
+                round_accepted.append(a)
+                round_emitted.append(len(emitted))
                 s.rounds += 1
                 s.draft_tokens += num_drafts
                 s.accepted_tokens += a
@@ -292,18 +343,26 @@ class SpeculativeEngine:
                 self.counters.emitted_in_decode_rounds += len(emitted)
             else:
                 s.prefilled = True
-                s.first_token_time = now
+                if s.first_token_time is None:  # not a rebuild's prefill
+                    s.first_token_time = now
+                prefill_tokens += len(s.request.prompt_ids)
             out = self._append(s, emitted)
             if out.finish_reason is not None:
                 finished.append(out.request_id)
             outputs.append(out)
         if finished:
             self._release(finished)
+        observed.finish(num_draft_tokens=round_drafts, num_accepted=round_accepted, num_emitted=round_emitted,
+                        prefill_tokens=prefill_tokens, generated_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
 
     def _propose(self, decoding: list[RequestState]) -> list[DraftProposal]:
-        if not decoding or self.gamma == 0:
-            return [DraftProposal.empty() for _ in decoding]
+        """Drafts for the requests the drafter holds; none for the others, or for all of them when
+        the drafter fails (plain decoding for this round)."""
+        no_drafts = [DraftProposal.empty() for _ in decoding]
+        drafting = [s for s in decoding if s.drafter_synced]
+        if not drafting or self.gamma == 0:
+            return no_drafts
         reqs = [
             DraftRequest(
                 request_id=s.request.request_id,
@@ -314,19 +373,26 @@ class SpeculativeEngine:
                 max_draft_tokens=max(0, min(self.gamma, s.remaining - 1)),
                 generator=s.generator,
             )
-            for s in decoding
+            for s in drafting
         ]
-        proposals = self.drafter.propose(reqs)
+        try:
+            proposals = self.drafter.propose(reqs)
+        except PartFailure as e:
+            self._drafter_failed(e)
+            return no_drafts
         if len(proposals) != len(reqs):
             raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
         for req, p in zip(reqs, proposals):
             if len(p) > req.max_draft_tokens:
                 raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
-        return proposals
+        by_id = {req.request_id: p for req, p in zip(reqs, proposals)}
+        return [by_id.get(s.request.request_id, no_drafts[0]) for s in decoding]
 
-    def _draft_lengths(self, decoding: list[RequestState], proposals: list[DraftProposal]) -> np.ndarray:
+    def _draft_lengths(self, decoding: list[RequestState], proposals: list[DraftProposal],
+                       prefilling: list[RequestState]) -> np.ndarray:
         """ℓ_r per request from the policy (Algorithm 1 for `dspark`), which sees only the
-        drafts' calibrated confidences and the SPS profile, never the tokens."""
+        drafts' calibrated confidences and the SPS profile, never the tokens. The prefills of
+        this round ride in the same forward: their tokens count in B, their first tokens in τ*."""
         num = np.array([len(p) for p in proposals], dtype=np.int64)  # [R]
         width = max(int(num.max(initial=0)), 1)
         confidences = np.zeros((len(proposals), width))  # [R, γ], 0 where no draft
@@ -335,12 +401,14 @@ class SpeculativeEngine:
                 confidences[r, : len(p)] = p.confidences.double().numpy()
             elif len(p) and self.policy.needs_confidences:
                 raise RuntimeError(f"policy {self.policy.spec!r} needs confidences; drafter {self.drafter.name!r} gives none")
+        prefill_tokens = sum(len(s.all_token_ids) for s in prefilling)  # a rebuild prefills prompt + output so far
         sps_table = None
         profile = self.sps_profile
         if profile is not None:
-            sps_table = profile.table(upto=len(proposals) * (1 + width))  # [B_max]
+            sps_table = profile.table(upto=prefill_tokens + len(proposals) * (1 + width))  # [B_max]
         return self.policy.draft_lengths(
-            request_ids=[s.request.request_id for s in decoding], num_drafts=num, confidences=confidences, sps_table=sps_table
+            request_ids=[s.request.request_id for s in decoding], num_drafts=num, confidences=confidences, sps_table=sps_table,
+            prefill_tokens=prefill_tokens, prefill_emitted=len(prefilling),
         )
 
     def _verify_batch(self, states: list[RequestState], draft_of: dict[str, DraftProposal]) -> VerifyBatch:
@@ -385,13 +453,19 @@ class SpeculativeEngine:
         if hidden is None or counts is None:
             raise RuntimeError("the drafter reads target hidden states, the verifier returned none")
         pieces = torch.split(hidden, counts.tolist())  # per request [n_r, num_capture_layers, hidden]
-        features = {s.request.request_id: f for s, f in zip(states, pieces)}
+        # A request the drafter does not hold gets its features again when it is registered again.
+        features = {s.request.request_id: f for s, f in zip(states, pieces) if s.drafter_synced}
+        if not features:
+            return
         observe_many = getattr(self.drafter, "observe_many", None)
-        if observe_many is not None:
-            observe_many(features)
-        else:
-            for rid, f in features.items():
-                self.drafter.observe(rid, f)
+        try:
+            if observe_many is not None:
+                observe_many(features)
+            else:
+                for rid, f in features.items():
+                    self.drafter.observe(rid, f)
+        except PartFailure as e:
+            self._drafter_failed(e)
 
     def _append(self, s: RequestState, emitted: list[int]) -> StepOutput:
         req = s.request
@@ -412,6 +486,156 @@ class SpeculativeEngine:
             self.counters.finished += 1
         return StepOutput(request_id=req.request_id, new_token_ids=kept, finish_reason=s.finish_reason)
 
+    # ---- faults (dspark/engine/faults.py) -------------------------------------------------
+
+    def stalled_for_s(self) -> float:
+        """Seconds until a step can do anything: > 0 only while every running request waits for
+        the verifier to answer again (a caller may sleep that long, or until a new command)."""
+        outage = self.verifier_outage
+        if outage is None or not self.running or not all(s.needs_rebuild for s in self.running.values()):
+            return 0.0
+        return max(0.0, outage.retry_at - time.monotonic())
+
+    def _verifier_failed(self, error: PartFailure, states: list[RequestState] = ()) -> None:
+        """Record a verifier failure; `states` (a failed round's requests) are to be rebuilt."""
+        if self.verifier_outage is None:
+            log.warning("the verifier failed (%s); its %d requests are rebuilt when it answers", error, len(states))
+            self.verifier_outage = Outage.begin(error, retry_at=time.monotonic())  # a restarted verifier answers at once
+        else:
+            self.verifier_outage.failed_again(error, retry_interval_s=self.faults.retry_interval_s)
+        for s in states:
+            s.needs_rebuild = True
+            s.verifier_failures += 1
+
+    def _drafter_failed(self, error: PartFailure) -> None:
+        """Record a drafter failure: no request is drafted until the drafter holds it again."""
+        if self.drafter_outage is None:
+            log.warning("the drafter failed (%s); decoding without drafts until it answers", error)
+            self.drafter_outage = Outage.begin(error, retry_at=time.monotonic() + self.faults.retry_interval_s)
+        else:
+            self.drafter_outage.failed_again(error, retry_interval_s=self.faults.retry_interval_s)
+        for s in self.running.values():
+            s.drafter_synced = False
+
+    def _register_with_drafter(self, rid: str, token_ids: list[int], params: SamplingParams) -> bool:
+        """Register a request with a drafter that keeps per-request state (a remote one) from its
+        tokens so far; False while the drafter fails (the request is then decoded without drafts)."""
+        if self.drafter_outage is not None:
+            return False
+        try:
+            self.drafter.add_request(rid, token_ids, params)
+        except PartFailure as e:
+            self._drafter_failed(e)
+            return False
+        return True
+
+    def _recover_drafter(self, states: list[RequestState]) -> None:
+        """Once the retry time has come, register the requests a failed drafter lost again. A
+        drafter that reads hidden states needs every position's features: those requests are
+        rebuilt on the verifier, whose prefill returns them."""
+        outage = self.drafter_outage
+        if outage is None or time.monotonic() < outage.retry_at:
+            return
+        lost = [s for s in states if not s.drafter_synced and not s.needs_rebuild]
+        try:
+            for s in lost:
+                params = continuation_params(s.request.params, len(s.output_ids))
+                self.drafter.add_request(s.request.request_id, s.all_token_ids, params)
+                if self.drafter_needs_hidden:
+                    s.needs_rebuild = True
+                else:
+                    s.drafter_synced = True
+        except PartFailure as e:
+            self._drafter_failed(e)
+            return
+        log.info("the drafter answers again after %.1f s: %d requests registered again", outage.seconds, len(lost))
+        self.drafter_outage = None
+
+    def _recover_verifier(self, states: list[RequestState]) -> bool:
+        """Rebuild the requests whose verifier state was lost; True when every running request can
+        take part in a round now. Requests past the fault policy's bounds fail (RequestsFailed)."""
+        lost = [s for s in states if s.needs_rebuild]
+        if not lost:
+            return True
+        outage, policy = self.verifier_outage, self.faults
+        last_error = outage.error if outage is not None else "unknown"
+        if outage is not None and outage.seconds > policy.verifier_timeout_s:
+            self._fail(lost, f"the verifier has not answered for {outage.seconds:.0f} s (limit {policy.verifier_timeout_s:.0f} s); "
+                             f"last error: {last_error}")
+        worn = [s for s in lost if s.verifier_failures > policy.max_rebuilds]
+        if worn:  # e.g. a request that crashes the verifier: it must not crash it forever
+            self._fail(worn, f"the verifier failed {worn[0].verifier_failures} rounds of the request (at most "
+                             f"{policy.max_rebuilds} are rebuilt); last error: {last_error}")
+        if outage is not None and time.monotonic() < outage.retry_at:
+            return False
+        for s in lost:
+            try:
+                self._rebuild(s)
+            except PartFailure as e:
+                self._verifier_failed(e)
+                return False
+            except (KVBudgetExceeded, ValueError) as e:  # e.g. a verifier restarted with a smaller budget
+                self._fail([s], f"the request could not be rebuilt on the verifier: {e}")
+        return True
+
+    def _rebuild(self, s: RequestState) -> None:
+        """Free the request on the verifier and add it again with prompt + output so far as its
+        prompt: its next round is a prefill that samples the next token (a continuation, exact by
+        the chain rule). The drafter starts over from the same tokens; the prefill's hidden states
+        are its context features."""
+        rid = s.request.request_id
+        tokens = s.all_token_ids
+        params = continuation_params(s.request.params, len(s.output_ids))
+        self.verifier.remove_request([rid])
+        self.verifier.add_request(rid, tokens, params, self.kv_tokens_needed(s.request))
+        s.needs_rebuild, s.prefilled = False, False
+        log.info("request %r rebuilt on the verifier from %d tokens", rid, len(tokens))
+        if hasattr(self.drafter, "add_request"):
+            s.drafter_synced = self._register_with_drafter(rid, tokens, params)
+        else:
+            self.drafter.remove_request(rid)  # in process: drop the context features the prefill hands over again
+
+    def _fail(self, states: list[RequestState], message: str) -> None:
+        """Release requests that cannot go on and raise RequestsFailed for them."""
+        ids = [s.request.request_id for s in states]
+        for s in states:
+            s.finish_reason = "abort"
+            self.running.pop(s.request.request_id, None)
+        log.error("failing %d requests %s: %s", len(ids), ids[:4], message)
+        self._release(ids)
+        raise RequestsFailed(ids, message)
+
+    def _free_on_verifier(self, request_ids: list[str]) -> None:
+        try:
+            self.verifier.remove_request(request_ids)
+        except PartFailure as e:  # its KV stays reserved there until a later retry (or the verifier restarts)
+            log.warning("freeing %d requests on the verifier failed (%s); trying again later", len(request_ids), e)
+            self._unfreed["verifier"].update(request_ids)
+
+    def _free_on_drafter(self, request_ids: list[str]) -> None:
+        if self.drafter_outage is not None:
+            self._unfreed["drafter"].update(request_ids)
+            return
+        remove_many = getattr(self.drafter, "remove_requests", None)
+        try:
+            if remove_many is not None:
+                remove_many(request_ids)
+            else:
+                for rid in request_ids:
+                    self.drafter.remove_request(rid)
+        except PartFailure as e:
+            self._drafter_failed(e)
+            self._unfreed["drafter"].update(request_ids)
+
+    def _retry_frees(self) -> None:
+        """Free what failed calls could not, once the part answers again."""
+        for part, outage, free in (("verifier", self.verifier_outage, self._free_on_verifier),
+                                   ("drafter", self.drafter_outage, self._free_on_drafter)):
+            if self._unfreed[part] and outage is None:
+                ids = sorted(self._unfreed[part])
+                self._unfreed[part].clear()
+                free(ids)
+
     # ---- convenience ---------------------------------------------------------------------
 
     def generate(self, requests: list[GenerationRequest]) -> list[RequestState]:
@@ -422,4 +646,5 @@ class SpeculativeEngine:
             states.append(self.running[r.request_id])
         while self.has_unfinished:
             self.step()
+            time.sleep(self.stalled_for_s())  # 0 unless every request waits for the verifier
         return states

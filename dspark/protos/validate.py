@@ -14,7 +14,7 @@ to that). What is checked: ids non-empty and unique within a call, token ids in 
 lengths consistent with their sibling counts, probabilities finite, >= 0 and rows summing to 1
 (tol 1e-3), sparse ids in range or -1 padding (prob 0, no id twice in a row), every draft token
 with p_d(x) > 0 under its own row, sampling params as in SamplingParams, tensors whose bytes
-match dtype and shape. Inside the services the messages are then trusted.
+match dtype and shape, features that are finite. Inside the services the messages are then trusted.
 """
 
 from __future__ import annotations
@@ -25,10 +25,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
+from dspark.sampling.params import MIN_TEMPERATURE
 
 ROW_SUM_TOL = 1e-3  # the rejection sampler's tolerance on draft rows
 MAX_REQUEST_ID_LEN = 256
 _ITEMSIZE = {common_pb2.DTYPE_FLOAT32: 4, common_pb2.DTYPE_FLOAT16: 2, common_pb2.DTYPE_BFLOAT16: 2}
+_NUMPY_DTYPE = {common_pb2.DTYPE_FLOAT32: "<f4", common_pb2.DTYPE_FLOAT16: "<f2", common_pb2.DTYPE_BFLOAT16: "<u2"}
 
 
 class ValidationError(ValueError):
@@ -83,7 +85,8 @@ def token_ids(values: Sequence[int], field: str, *, vocab_size: int, allow_empty
 
 def sampling_params(msg: common_pb2.SamplingParams, field: str = "") -> None:
     t, p = msg.temperature, msg.top_p
-    _check(math.isfinite(t) and t >= 0.0, _join(field, "temperature"), f"must be finite and >= 0 (0 = greedy), got {t}")
+    _check(t == 0.0 or (math.isfinite(t) and t >= MIN_TEMPERATURE), _join(field, "temperature"),
+           f"must be 0 (greedy) or finite and >= {MIN_TEMPERATURE:g} (smaller ones overflow), got {t}")
     _check(0.0 < p <= 1.0, _join(field, "top_p"), f"must be in (0, 1], got {p}")
     _check(msg.top_k >= 0, _join(field, "top_k"), f"must be >= 0 (0 disables it), got {msg.top_k}")
 
@@ -103,6 +106,15 @@ def tensor(msg: common_pb2.Tensor, field: str, *, ndim: int | None = None, dims:
     want = math.prod(shape) * _ITEMSIZE[msg.dtype]
     _check(len(msg.data) == want, f"{field}.data", f"must be {want} bytes for shape {list(shape)}, got {len(msg.data)}")
     return shape
+
+
+def finite_tensor(msg: common_pb2.Tensor, field: str) -> None:
+    """Every element of an (already checked) tensor is finite: NaN or inf features would poison the
+    drafter's distributions (they cannot be sampled from)."""
+    values = np.frombuffer(msg.data, dtype=_NUMPY_DTYPE[msg.dtype])
+    # bf16 as raw uint16: all exponent bits set means inf or NaN
+    bad = np.flatnonzero((values & 0x7F80) == 0x7F80 if msg.dtype == common_pb2.DTYPE_BFLOAT16 else ~np.isfinite(values))
+    _check(bad.size == 0, f"{field}.data", lambda: f"element {bad[0]} (of {values.size}) is NaN or infinite; features must be finite")
 
 
 def _rows(probs: np.ndarray, field: str) -> None:
@@ -130,7 +142,7 @@ def draft_rows(parent, oneof: str, tokens: np.ndarray, field: str, *, vocab_size
         p_x = probs[np.arange(n), tokens]
     else:
         s, f = parent.sparse, _join(field, "sparse")
-        _check(s.k >= 1 or n == 0, f"{f}.k", f"must be >= 1, got {s.k}")
+        _check(s.k >= 1 or (n == 0 and s.k == 0), f"{f}.k", f"must be >= 1 (or 0 with no rows), got {s.k}")
         _check(s.k <= vocab_size, f"{f}.k", f"must be <= the vocab size {vocab_size}, got {s.k}")
         k = max(s.k, 0)
         _check(len(s.ids) == n * k, f"{f}.ids", f"must hold num_draft * k = {n} * {k} ids, got {len(s.ids)}")
@@ -218,6 +230,7 @@ def append_features(msg: drafter_pb2.AppendFeaturesRequest, *, num_capture_layer
             _check(shape[1] == num_capture_layers, f"{f}.features.shape", f"must have {num_capture_layers} layers, got {list(shape)}")
         if hidden_size is not None:
             _check(shape[2] == hidden_size, f"{f}.features.shape", f"must have hidden size {hidden_size}, got {list(shape)}")
+        finite_tensor(item.features, f"{f}.features")
     _unique_ids([r.request_id for r in msg.requests], "requests.request_id")
 
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this a temperature is not "nearly greedy" but an overflow: logits / temperature leave fp32
+# and the softmax turns into NaN. Send 0 for greedy.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,8 +29,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -63,6 +67,7 @@ def logits_to_probs(
         # Mass strictly before each token; a token is dropped once that mass already reaches top_p.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # the most likely token always crosses top_p (a top_p below fp32's range compares as 0)
         drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)

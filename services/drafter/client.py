@@ -5,7 +5,8 @@
 
 It implements the engine's optional drafter hooks (dspark/engine/speculative.py):
 `add_request` registers a request with the service (its prompt and sampling settings: the
-service seeds the request's draft stream from them), `observe_many` forwards the verifier's
+service seeds the request's draft stream from them; an id it already holds is replaced, so the
+engine can register a request again after a failure, from its tokens so far), `observe_many` forwards the verifier's
 hidden states of a round in one AppendFeatures call, `remove_requests` frees many at once. A
 round sends each request's tokens emitted since the previous round only (token_offset) and reads
 the streamed DraftBlocks, each validated (ids in range, rows summing to 1, at most
@@ -32,6 +33,7 @@ from services.grpc_common import (
     make_channel,
     translate_rpc_error,
 )
+from services.wire_bytes import WireBytes
 
 __all__ = ["RemoteDrafter"]
 
@@ -45,11 +47,15 @@ class RemoteDrafter:
         draft_deadline_s: float = 60.0,  # one Draft round, the whole stream
         connect_timeout_s: float = 120.0,  # how long to wait for the server at construction
         max_message_mb: int = 512,
+        auth_token: str = "",  # rpc.auth_token, sent on every call (services/grpc_auth.py)
+        wire_bytes: WireBytes | None = None,  # counts the serialized bytes of every call (benchmarks)
     ):
         self.address = address
         self.deadline_s = deadline_s
         self.draft_deadline_s = draft_deadline_s
-        self._channel = make_channel(address, max_message_mb=max_message_mb)
+        self._channel = make_channel(address, max_message_mb=max_message_mb, auth_token=auth_token)
+        if wire_bytes is not None:
+            self._channel = grpc.intercept_channel(self._channel, wire_bytes)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         try:  # wait_for_ready: a service still loading its model is waited for, up to connect_timeout_s
             info = call(self._stub.GetInfo, drafter_pb2.GetDrafterInfoRequest(), timeout=connect_timeout_s,
@@ -80,7 +86,16 @@ class RemoteDrafter:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         msg = drafter_pb2.DrafterAddRequest(request_id=request_id, prompt_ids=prompt_ids, params=convert.sampling_params_to_proto(params))
-        call(self._stub.AddRequest, msg, timeout=self.deadline_s, where=self._where("AddRequest"))
+        where = self._where("AddRequest")
+        try:
+            self._stub.AddRequest(msg, timeout=self.deadline_s)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise translate_rpc_error(err, where=where, timeout=self.deadline_s) from None
+            # What the drafter holds under this id is stale (a dead scheduler's, or ours before a
+            # failure: the engine registers a request again from its tokens so far). Replace it.
+            self.remove_requests([request_id])
+            call(self._stub.AddRequest, msg, timeout=self.deadline_s, where=where)
         self._known_tokens[request_id] = len(prompt_ids)
 
     def remove_request(self, request_id: str) -> None:

@@ -140,12 +140,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 def start_drafter_server(
-    drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0, bind: str = "127.0.0.1:0", max_message_mb: int = 512
+    drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0, bind: str = "127.0.0.1:0", max_message_mb: int = 512,
+    auth_token: str = "",
 ) -> GrpcServer:
-    """Serve `drafter` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on."""
+    """Serve `drafter` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on;
+    every call but health needs `auth_token` when one is given."""
     servicer = DrafterServicer(drafter, vocab_size=vocab_size, hidden_size=hidden_size)
     return create_server(lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), (DRAFTER_SERVICE,),
-                         bind=bind, max_message_mb=max_message_mb)
+                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token)
 
 
 def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
@@ -172,6 +174,6 @@ def serve_drafter(config: ServingConfig) -> None:
     """`dspark drafter`: build the drafter, serve until SIGTERM / Ctrl-C."""
     drafter, vocab_size, hidden_size = build_drafter(config)
     server = start_drafter_server(drafter, vocab_size=vocab_size, hidden_size=hidden_size, bind=config.drafter.bind,
-                                  max_message_mb=config.rpc.max_message_mb)
+                                  max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token)
     log.info("drafter %s serving on %s:%d", config.drafter.name, config.drafter.host, server.port)
     serve_until_signalled(server)

@@ -13,7 +13,8 @@ feeding the same engine: the gRPC Scheduler service (Submit streams StepOutputs 
 a finish reason; Cancel; Stats), and, when `redis.url` is set, the Redis bus worker
 (dspark/bus/worker.py) that the gateways talk to. Health (grpc.health.v1) and reflection are
 served alongside. The gRPC server is asyncio (grpc.aio): Submit awaits the engine's per-request
-stream directly.
+stream directly. The engine's Prometheus metrics (dspark/observability/metrics.py) are served
+over HTTP on observability.metrics_port (default 9464; 0 = none), on scheduler.host.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ from grpc_reflection.v1alpha import reflection
 
 from dspark.drafters.base import NoDrafter
 from dspark.engine.async_engine import AsyncEngine, EngineError, GenerationDelta
+from dspark.engine.faults import FaultPolicy
 from dspark.engine.speculative import SpeculativeEngine, StepOutput
+from dspark.observability.grpc_tracing import AioServerTracingInterceptor
+from dspark.observability.metrics import start_metrics_server
 from dspark.protos import SCHEDULER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import scheduler_pb2, scheduler_pb2_grpc
 from dspark.protos.validate import ValidationError
 from dspark.serving_config import ServingConfig
+from services.grpc_auth import AsyncTokenAuthInterceptor, warn_if_exposed
 from services.grpc_common import HEALTH_SERVICE, channel_options
 
 __all__ = [
@@ -59,16 +64,19 @@ def build_remote_speculative_engine(config: ServingConfig) -> SpeculativeEngine:
     rpc = config.rpc
     policy = parse_policy(config.scheduler.policy) if config.scheduler.policy else None
     verifier = RemoteVerifier(config.verifier.dial, deadline_s=rpc.deadline_s, verify_deadline_s=rpc.verify_deadline_s,
-                              connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb)
+                              connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb,
+                              auth_token=rpc.auth_token)
     drafter = None
     if config.drafter.name != "none":
         drafter = RemoteDrafter(config.drafter.dial, deadline_s=rpc.deadline_s, draft_deadline_s=rpc.draft_deadline_s,
-                                connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb)
+                                connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb,
+                                auth_token=rpc.auth_token)
         if drafter.vocab_size != verifier.vocab_size:
             raise ValueError(f"the drafter at {drafter.address} serves a vocabulary of {drafter.vocab_size}, "
                              f"the verifier at {verifier.address} one of {verifier.vocab_size}: not the same model")
+    # A failed verifier is waited for as long as a starting one (dspark/engine/faults.py).
     engine = SpeculativeEngine.from_parts(verifier=verifier, drafter=drafter, num_speculative_tokens=config.scheduler.gamma,
-                                          policy=policy)
+                                          policy=policy, faults=FaultPolicy(verifier_timeout_s=rpc.connect_timeout_s))
     if policy is not None and policy.needs_sps_profile and engine.sps_profile is None:
         raise ValueError(f"policy {policy.spec!r} needs the verifier's SPS(B) profile: start the verifier with sps_max_batch > 0")
     return engine
@@ -197,15 +205,21 @@ class SchedulerServer:
         self._thread.join()
 
 
-def start_scheduler_server(engine: AsyncEngine, *, bind: str = "127.0.0.1:0", max_message_mb: int = 512) -> SchedulerServer:
+def start_scheduler_server(engine: AsyncEngine, *, bind: str = "127.0.0.1:0", max_message_mb: int = 512,
+                           auth_token: str = "") -> SchedulerServer:
     """Serve the Scheduler API over a started AsyncEngine on `bind` (port 0: any free port), with
-    health (SERVING) and reflection, on a new thread with its own event loop."""
+    health (SERVING) and reflection, on a new thread with its own event loop; every call but
+    health needs `auth_token` when one is given (services/grpc_auth.py)."""
+    warn_if_exposed(bind, auth_token, SCHEDULER_SERVICE)
     loop = asyncio.new_event_loop()
     started: dict = {}
     ready = threading.Event()
 
     async def start() -> None:
-        server = grpc.aio.server(options=channel_options(max_message_mb))
+        # Submit is an entry point: a call without a traceparent starts a trace of its own.
+        tracing_interceptor = AioServerTracingInterceptor(root_spans=True)
+        server = grpc.aio.server(options=channel_options(max_message_mb),
+                                 interceptors=[tracing_interceptor] + ([AsyncTokenAuthInterceptor(auth_token)] if auth_token else []))
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -245,7 +259,10 @@ def _start_bus_worker(engine: AsyncEngine, config: ServingConfig):
     from dspark.bus.redis_bus import RedisBus
     from dspark.bus.worker import start_worker_thread
 
-    consumer = f"scheduler-{socket.gethostname()}-{os.getpid()}"
+    # Named by host and port, so the name survives a restart of this process (a Kubernetes container
+    # restart, `dspark up` restarting it): the new process takes its predecessor's pending requests
+    # back at once instead of after claim_idle_s. Two live schedulers never share a host and port.
+    consumer = f"scheduler-{socket.gethostname()}-{config.scheduler.port or os.getpid()}"
     log.info("consuming requests from the bus at %s as %s", config.redis.url, consumer)
     return start_worker_thread(lambda: RedisBus.from_url(config.redis.url), engine, consumer=consumer)
 
@@ -256,7 +273,10 @@ def serve_scheduler(config: ServingConfig) -> None:
 
     engine = build_remote_engine(config)
     worker = _start_bus_worker(engine, config)
-    server = start_scheduler_server(engine, bind=config.scheduler.bind, max_message_mb=config.rpc.max_message_mb)
+    metrics_port = config.observability.metrics_port
+    metrics_server = start_metrics_server(metrics_port, host=config.scheduler.host) if metrics_port else None
+    server = start_scheduler_server(engine, bind=config.scheduler.bind, max_message_mb=config.rpc.max_message_mb,
+                                    auth_token=config.rpc.auth_token)
     log.info("scheduler serving on %s:%d (verifier %s, drafter %s, gamma %d, policy %s)", config.scheduler.host, server.port,
              config.verifier.dial, config.drafter.dial, config.scheduler.gamma, config.scheduler.policy or "all drafts")
     stop = threading.Event()
@@ -272,4 +292,6 @@ def serve_scheduler(config: ServingConfig) -> None:
         server.stop(5.0)
         if worker is not None:
             worker.stop()
+        if metrics_server is not None:
+            metrics_server.shutdown()
         engine.shutdown()

@@ -7,8 +7,10 @@ Construction waits (up to `connect_timeout_s`) for the server and reads what it 
 context window, captured layers, KV budget); every later call has a deadline. Errors arrive as
 the local contract has them: ValueError (INVALID_ARGUMENT), KVBudgetExceeded (RESOURCE_EXHAUSTED
 from AddRequest: the engine queues the request), and services.grpc_common's DeadlineExceeded /
-ServiceUnavailable / ServiceError. Every reply is validated before it is trusted (a verifier of
-another vocabulary, a result that does not match the batch: ServiceError).
+ServiceUnavailable / ServiceError (the engine recovers from those: dspark/engine/faults.py).
+AddRequest of an id the verifier already holds replaces that state: the engine adds only ids it
+does not run, so it is stale (a dead scheduler's). Every reply is validated before it is trusted
+(a verifier of another vocabulary, a result that does not match the batch: ServiceError).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from services.grpc_common import (
     make_channel,
     translate_rpc_error,
 )
+from services.wire_bytes import WireBytes
 
 __all__ = ["RemoteVerifier"]
 
@@ -46,11 +49,15 @@ class RemoteVerifier:
         verify_deadline_s: float = 300.0,  # one Verify round
         connect_timeout_s: float = 120.0,  # how long to wait for the server at construction
         max_message_mb: int = 512,
+        auth_token: str = "",  # rpc.auth_token, sent on every call (services/grpc_auth.py)
+        wire_bytes: WireBytes | None = None,  # counts the serialized bytes of every call (benchmarks)
     ):
         self.address = address
         self.deadline_s = deadline_s
         self.verify_deadline_s = verify_deadline_s
-        self._channel = make_channel(address, max_message_mb=max_message_mb)
+        self._channel = make_channel(address, max_message_mb=max_message_mb, auth_token=auth_token)
+        if wire_bytes is not None:
+            self._channel = grpc.intercept_channel(self._channel, wire_bytes)
         self._stub = verifier_pb2_grpc.VerifierStub(self._channel)
         try:  # wait_for_ready: a service still loading its model is waited for, up to connect_timeout_s
             info = call(self._stub.GetInfo, verifier_pb2.GetVerifierInfoRequest(), timeout=connect_timeout_s,
@@ -107,7 +114,16 @@ class RemoteVerifier:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, num_kv_tokens: int) -> None:
         msg = verifier_pb2.VerifierAddRequest(request_id=request_id, prompt_ids=prompt_ids,
                                               params=convert.sampling_params_to_proto(params), num_kv_tokens=num_kv_tokens)
-        reply = call(self._stub.AddRequest, msg, timeout=self.deadline_s, where=self._where("AddRequest"))
+        where = self._where("AddRequest")
+        try:
+            reply = self._stub.AddRequest(msg, timeout=self.deadline_s)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise translate_rpc_error(err, where=where, timeout=self.deadline_s) from None
+            # The engine adds only ids it does not run: what the verifier holds under this one is stale
+            # (left by a scheduler that died, or by a round lost to a deadline). Replace it.
+            self.remove_request([request_id])
+            reply = call(self._stub.AddRequest, msg, timeout=self.deadline_s, where=where)
         self._free_kv_tokens = reply.free_kv_tokens
 
     def remove_request(self, request_ids: list[str]) -> int:

@@ -7,8 +7,10 @@ SPS(B) (`verifier.sps_max_batch`; the prefix scheduler's input, served by GetSPS
 listen and report SERVING on grpc.health.v1. The servicer is a thin shell around a LocalVerifier
 (dspark/engine/verifier.py): every incoming message is validated first (INVALID_ARGUMENT with
 "field: message"), a request that does not fit the KV budget now gets RESOURCE_EXHAUSTED (the
-scheduler queues it), and calls are serialised by one lock (one forward at a time: the model
-uses every core anyway).
+scheduler queues it), an id it already holds ALREADY_EXISTS and a round naming a request it does
+not hold FAILED_PRECONDITION (both are what a restart of the scheduler or of this service leaves;
+the scheduler recovers, dspark/engine/faults.py), and calls are serialised by one lock (one
+forward at a time: the model uses every core anyway).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             validate.verifier_add_request(request, vocab_size=self.verifier.vocab_size, max_model_len=self.verifier.max_model_len)
             params = convert.sampling_params_from_proto(request.params)
             with self._lock:
+                if self.verifier.has_request(request.request_id):  # the client decides: stale state of a dead scheduler?
+                    raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
                 self.verifier.add_request(request.request_id, list(request.prompt_ids), params, request.num_kv_tokens)
                 free = self.verifier.free_kv_tokens
             return verifier_pb2.VerifierAddResponse(free_kv_tokens=free)
@@ -61,6 +65,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             validate.verify_batch(request, vocab_size=self.verifier.vocab_size)
             batch = convert.verify_batch_from_proto(request)
             with self._lock:
+                unknown = [rid for rid in batch.request_ids if not self.verifier.has_request(rid)]
+                if unknown:  # e.g. this verifier restarted: the scheduler rebuilds them (dspark/engine/faults.py)
+                    raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"requests {unknown[:5]} are not registered with this verifier (AddRequest first)")
                 result = self.verifier.verify(batch)
             return convert.verify_result_to_proto(result)
 
@@ -83,12 +91,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def start_verifier_server(
-    verifier: LocalVerifier, *, bind: str = "127.0.0.1:0", model: str = "", max_message_mb: int = 512
+    verifier: LocalVerifier, *, bind: str = "127.0.0.1:0", model: str = "", max_message_mb: int = 512, auth_token: str = ""
 ) -> GrpcServer:
-    """Serve `verifier` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on."""
+    """Serve `verifier` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on;
+    every call but health needs `auth_token` when one is given."""
     servicer = VerifierServicer(verifier, model=model)
     return create_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), (VERIFIER_SERVICE,),
-                         bind=bind, max_message_mb=max_message_mb)
+                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token)
 
 
 def warm_up(verifier: LocalVerifier) -> float:
@@ -131,7 +140,7 @@ def serve_verifier(config: ServingConfig) -> None:
     """`dspark verifier`: load, profile, serve until SIGTERM / Ctrl-C."""
     verifier = build_local_verifier(config)
     server = start_verifier_server(verifier, bind=config.verifier.bind, model=config.model.name,
-                                   max_message_mb=config.rpc.max_message_mb)
+                                   max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token)
     log.info("verifier serving %s on %s:%d (vocab %d, context %d, KV budget %d tokens, captures layers %s)",
              config.model.name, config.verifier.host, server.port, verifier.vocab_size, verifier.max_model_len,
              verifier.kv_budget_tokens, list(verifier.capture_layers))

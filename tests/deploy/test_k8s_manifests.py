@@ -196,13 +196,18 @@ def test_no_mount_hides_the_model_the_image_ships():
 # ---- the serving configuration and the ports ----------------------------------------------------
 
 
+SECRET_VARIABLES = {f"DSPARK_{section.upper()}_{key.upper()}" for section, key in ServingConfig.secret_keys()}
+
+
 def test_config_file_names_every_key_of_serving_config_exactly_once():
     path = BASE_DIR / "config" / "serving.env"
     values = env_file(path)
     lines = [line for line in path.read_text().splitlines() if line.strip() and not line.lstrip().startswith("#")]
     assert len(lines) == len(values), "a key is given twice"
+    # every key but the secrets, which come from Secrets (never from a ConfigMap)
     expected = {f"DSPARK_{section.upper()}_{key.upper()}"
-                for section, keys in ServingConfig().to_dict().items() for key in keys}
+                for section, keys in ServingConfig().to_dict().items() for key in keys} - SECRET_VARIABLES
+    assert SECRET_VARIABLES == {"DSPARK_GATEWAY_API_KEYS", "DSPARK_RPC_AUTH_TOKEN"}
     assert set(values) == expected, (f"serving.env must mirror dspark/serving_config.py: missing {sorted(expected - set(values))}, "
                                      f"unknown {sorted(set(values) - expected)}")
 
@@ -266,9 +271,10 @@ def test_gateway_flags_expand_to_the_configured_host_port_model_and_redis(name):
     assert args.redis == config.redis.url and args.model == config.model.name
     assert args.max_tokens_limit == config.gateway.max_tokens_limit
     assert container_ports(container) == {"http": config.gateway.port}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe, path in (("startupProbe", "/health"), ("readinessProbe", "/health"), ("livenessProbe", "/live")):
+        # readiness follows the bus (/health); liveness only the process (/live): a Redis outage restarts nothing
         http = container[probe]["httpGet"]
-        assert http["path"] == "/health" and resolve_port(http["port"], container) == config.gateway.port
+        assert http["path"] == path and resolve_port(http["port"], container) == config.gateway.port
     annotations = named(objects, "Deployment", "gateway")["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/port"] == str(config.gateway.port) and annotations["prometheus.io/path"] == "/metrics"
     (svc_port,) = named(objects, "Service", "gateway")["spec"]["ports"]
@@ -360,22 +366,45 @@ def test_no_secret_value_is_committed():
             assert all(v == "" for v in secret_data(secret).values()), f"{name}: Secret {secret['metadata']['name']} has a value"
 
 
-def test_api_keys_come_from_the_secret_and_an_own_overlay_can_replace_it(tmp_path):
-    keys_file = tmp_path / "api-keys.env"  # what a user writes and does not commit
-    keys_file.write_text("DSPARK_API_KEYS=key-one,key-two\n")
+def _own_overlay(tmp_path, secrets: dict[str, str]):
+    """Your own overlay beside the checkout: the base with each named Secret replaced from a file
+    you do not commit. Returns its rendered objects."""
+    generators = ""
+    for name, line in secrets.items():
+        (tmp_path / f"{name}.env").write_text(line + "\n")
+        generators += f"  - name: {name}\n    behavior: replace\n    envs:\n      - {name}.env\n"
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {os.path.relpath(BASE_DIR, tmp_path)}\n"
-        "secretGenerator:\n  - name: dspark-api-keys\n    behavior: replace\n    envs:\n      - api-keys.env\n"
+        f"resources:\n  - {os.path.relpath(BASE_DIR, tmp_path)}\nsecretGenerator:\n{generators}"
     )
-    for objects, expected in ((render("base"), ""), (render_dir(tmp_path), "key-one,key-two")):
+    return render_dir(tmp_path)
+
+
+def test_api_keys_come_from_the_secret_and_an_own_overlay_can_replace_it(tmp_path):
+    from gateway.api_keys import hash_api_key
+
+    hashes = f"{hash_api_key('key-one')},{hash_api_key('key-two')}"
+    own = _own_overlay(tmp_path, {"dspark-api-keys": f"DSPARK_GATEWAY_API_KEYS={hashes}"})
+    for objects, expected in ((render("base"), ""), (own, hashes)):
         secret = generated(objects, "Secret", "dspark-api-keys")
-        assert secret_data(secret) == {"DSPARK_API_KEYS": expected}
+        assert secret_data(secret) == {"DSPARK_GATEWAY_API_KEYS": expected}
         env = the_container(objects, "gateway")["env"]
-        (ref,) = [v["valueFrom"]["secretKeyRef"] for v in env if v["name"] == "DSPARK_API_KEYS"]
-        assert ref == {"name": secret["metadata"]["name"], "key": "DSPARK_API_KEYS"}
+        (ref,) = [v["valueFrom"]["secretKeyRef"] for v in env if v["name"] == "DSPARK_GATEWAY_API_KEYS"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "DSPARK_GATEWAY_API_KEYS"}
+        assert serving_config(objects, "gateway").gateway.api_keys == expected  # what `dspark gateway` loads
         for service in GRPC_SERVICES:  # the keys reach the gateway only
-            assert "DSPARK_API_KEYS" not in container_env(the_container(objects, service), objects)
+            assert "DSPARK_GATEWAY_API_KEYS" not in container_env(the_container(objects, service), objects)
+
+
+def test_the_internal_token_comes_from_its_secret_to_the_grpc_services_only(tmp_path):
+    token = "0123456789abcdef0123456789abcdef"
+    own = _own_overlay(tmp_path, {"dspark-rpc-token": f"DSPARK_RPC_AUTH_TOKEN={token}"})
+    for objects, expected in ((render("base"), ""), (own, token)):
+        secret = generated(objects, "Secret", "dspark-rpc-token")
+        assert secret_data(secret) == {"DSPARK_RPC_AUTH_TOKEN": expected}
+        for service in GRPC_SERVICES:  # the scheduler sends it, the verifier and drafter require it
+            assert serving_config(objects, service).rpc.auth_token == expected
+        assert "DSPARK_RPC_AUTH_TOKEN" not in container_env(the_container(objects, "gateway"), objects)  # it speaks no gRPC
 
 
 # ---- network policies ---------------------------------------------------------------------------

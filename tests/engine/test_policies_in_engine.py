@@ -84,3 +84,32 @@ def test_a_policy_that_needs_confidences_refuses_a_drafter_without_them(tiny_run
 
     with pytest.raises(ValueError, match="confidences"):
         SpeculativeEngine(tiny_runtime, NgramDrafter(), policy=parse_policy("dspark"))
+
+
+def test_prefills_riding_in_a_round_are_counted_in_the_policys_batch(tiny_runtime_factory):
+    """A request that joins while another decodes is prefilled in the same forward: the policy
+    is told its tokens (they count in B) and that it emits one token (it counts in τ*)."""
+    seen = []
+
+    class Recording:
+        spec, needs_confidences, needs_sps_profile = "recording", True, True
+
+        def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None, prefill_tokens=0, prefill_emitted=0):
+            seen.append((list(request_ids), prefill_tokens, prefill_emitted, len(sps_table)))
+            return parse_policy("dspark").draft_lengths(
+                request_ids=request_ids, num_drafts=num_drafts, confidences=confidences, sps_table=sps_table,
+                prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
+
+        def remove_request(self, request_id):
+            pass
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4, policy=Recording())
+    engine.sps_profile = PROFILE
+    engine.add_request(GenerationRequest("a", [5, 6, 7], 10, GREEDY))
+    engine.step()  # a's prefill: nothing decodes yet, the policy is not asked
+    engine.add_request(GenerationRequest("b", list(range(40, 52)), 10, GREEDY))
+    engine.step()  # a decodes while b's 12 prompt tokens are prefilled in the same forward
+    engine.step()  # both decode
+    assert seen[0][:3] == (["a"], 12, 1) and seen[0][3] >= 12 + 1 * (1 + 4)  # the table covers B with every draft
+    assert seen[1][:3] == (["a", "b"], 0, 0)

@@ -126,7 +126,8 @@ def test_valid_messages_pass(name):
 
 # (case, message, the field path the error must name, a word the message must contain)
 INVALID = [
-    ("negative temperature", _params(temperature=-0.1), "temperature", ">= 0"),
+    ("negative temperature", _params(temperature=-0.1), "temperature", "0 (greedy) or finite and >="),
+    ("temperature that overflows the logits", _params(temperature=1e-300), "temperature", "smaller ones overflow"),
     ("nan temperature", _params(temperature=float("nan")), "temperature", "finite"),
     ("top_p zero", _params(top_p=0.0), "top_p", "(0, 1]"),
     ("top_p above one", _params(top_p=1.5), "top_p", "(0, 1]"),
@@ -162,10 +163,16 @@ INVALID = [
     ("round with a bad request", drafter_pb2.DraftRoundRequest(requests=[_draft_request(), _draft_request(token_ids=[99])]), "requests[1].token_ids[0]", "out of range"),
     ("round with a duplicate", drafter_pb2.DraftRoundRequest(requests=[_draft_request(), _draft_request()]), "requests.request_id[1]", "more than once"),
     ("drafter add empty prompt", drafter_pb2.DrafterAddRequest(request_id="r", params=_params()), "prompt_ids", "at least one"),
+    ("negative k with no drafts", verifier_pb2.VerifyBatch(request_ids=["a"], anchor_token_ids=[2], num_draft_tokens=[0],
+                                                           sparse=common_pb2.SparseRows(k=-1)), "sparse.k", ">= 1"),
     ("features wrong rank", _features(shape=(2, 4)), "requests[0].features.shape", "3 dims"),
     ("features wrong bytes", _features(nbytes=3), "requests[0].features.data", "16 bytes"),
     ("features unknown dtype", _features(dtype=0), "requests[0].features.dtype", "FLOAT32"),
     ("features negative dim", _features(shape=(-2, 1, -4), nbytes=16), "requests[0].features.shape", ">= 0"),
+    ("features with NaN", drafter_pb2.AppendFeaturesRequest(requests=[drafter_pb2.RequestFeatures(request_id="r", features=common_pb2.Tensor(
+        dtype=common_pb2.DTYPE_BFLOAT16, shape=[1, 1, 2], data=bytes([0, 0, 0xC0, 0x7F])))]), "requests[0].features.data", "NaN"),
+    ("features with inf", drafter_pb2.AppendFeaturesRequest(requests=[drafter_pb2.RequestFeatures(request_id="r", features=common_pb2.Tensor(
+        dtype=common_pb2.DTYPE_FLOAT32, shape=[1, 1, 1], data=bytes([0, 0, 0x80, 0x7F])))]), "requests[0].features.data", "infinite"),
     ("remove empty id", drafter_pb2.DrafterRemoveRequest(request_ids=["a", ""]), "request_ids[1]", "non-empty"),
     ("verifier add short reservation", verifier_pb2.VerifierAddRequest(request_id="r", prompt_ids=[1, 2], params=_params(), num_kv_tokens=2), "num_kv_tokens", "exceed"),
     ("verifier add prompt out of vocab", verifier_pb2.VerifierAddRequest(request_id="r", prompt_ids=[VOCAB], params=_params(), num_kv_tokens=8), "prompt_ids[0]", "out of range"),

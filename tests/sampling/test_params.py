@@ -57,6 +57,12 @@ def test_top_p_keeps_the_smallest_nucleus_including_the_crossing_token():
         torch.testing.assert_close(probs[kept], p[kept] / p[kept].sum())
 
 
+def test_a_top_p_below_fp32_range_keeps_the_most_likely_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    for top_p in (1e-30, 1e-300, 5e-324):  # fp32 rounds the last two to 0: the comparison must not drop everything
+        assert logits_to_probs(logits, temperature=1.0, top_p=top_p).tolist() == [[0.0, 1.0, 0.0]]
+
+
 def test_top_k_applies_before_top_p():
     p = torch.tensor([0.4, 0.3, 0.2, 0.1])
     # top_k=2 leaves (0.4, 0.3) -> renormalised (4/7, 3/7); top_p=0.5 then keeps only id 0.
@@ -76,6 +82,8 @@ def test_greedy_is_temperature_zero_and_logits_to_probs_refuses_it():
     [
         ({"temperature": -0.1}, "temperature"),
         ({"temperature": math.nan}, "temperature"),
+        ({"temperature": 1e-300}, "temperature"),  # logits / temperature would overflow fp32: NaN probabilities
+        ({"temperature": math.inf}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),

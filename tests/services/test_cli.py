@@ -3,8 +3,9 @@
 Specification: each command reads the configuration (file, environment) and its flags override
 it; the services' build functions load a model by path and serve it (the verifier profiles
 SPS(B) at start); `dspark up` refuses port 0; and, end to end in real processes (slow), `dspark
-up` starts the three services on the tiny model, reports them ready, serves a generation equal to
-plain decoding over gRPC, and stops every child on Ctrl-C.
+up` starts the three services on the tiny model, reports them ready, refuses a call without the
+configured internal token, serves a generation equal to plain decoding over gRPC with it, and
+stops every child on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from dspark.cli import build_parser, main
 from dspark.protos.dspark.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from dspark.serving_config import ServingConfig
 from services.cli import config_from_args
-from services.grpc_common import check_health
+from services.grpc_common import check_health, make_channel
 
 ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "a-test-token-for-the-services"
 
 
 def test_flags_override_the_configuration_for_the_commands_own_service(monkeypatch):
@@ -100,7 +102,8 @@ def test_up_starts_the_services_serves_plain_greedy_tokens_and_stops_them_on_ctr
 
     scheduler_port, drafter_port, verifier_port, gateway_port = _free_ports(4)
     env = {**os.environ, "DSPARK_SCHEDULER_PORT": str(scheduler_port), "DSPARK_DRAFTER_PORT": str(drafter_port),
-           "DSPARK_VERIFIER_PORT": str(verifier_port), "DSPARK_GATEWAY_PORT": str(gateway_port), "DSPARK_REDIS_URL": ""}
+           "DSPARK_VERIFIER_PORT": str(verifier_port), "DSPARK_GATEWAY_PORT": str(gateway_port), "DSPARK_REDIS_URL": "",
+           "DSPARK_RPC_AUTH_TOKEN": TOKEN}  # the services then require it (services/grpc_auth.py)
     cmd = [sys.executable, "-m", "dspark.cli", "up", "--model", str(tiny_model_dir), "--dtype", "bfloat16", "--drafter", "ngram",
            "--policy", "fixed:4", "--gamma", "4", "--sps-max-batch", "0", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -115,6 +118,10 @@ def test_up_starts_the_services_serves_plain_greedy_tokens_and_stops_them_on_ctr
         prompt = [5, 6, 7, 8] * 4
         (expected,) = SpeculativeEngine(tiny_runtime, None).generate([GenerationRequest("p", prompt, 24, SamplingParams(temperature=0.0))])
         with grpc.insecure_channel(f"127.0.0.1:{scheduler_port}") as channel:
+            with pytest.raises(grpc.RpcError) as refused:  # without the token
+                scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with make_channel(f"127.0.0.1:{scheduler_port}", auth_token=TOKEN) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             tokens = []
             request = scheduler_pb2.GenerationRequest(request_id="up", prompt_ids=prompt, max_new_tokens=24,

@@ -4,8 +4,8 @@ Specification: whatever the policy, greedy output over the services equals plain
 fixed seeds at temperature 1 the remote engine emits exactly the tokens the in-process engine
 emits (same p_d rows, same hidden states, same random streams: dense and sparse rows); a request
 whose KV does not fit waits and is served later, never failed; a verifier that answers too late
-surfaces as DeadlineExceeded naming the service and the deadline; finished requests leave no
-state on either service.
+is retried on a rebuilt request, then fails it with an error naming the service and the deadline;
+finished requests leave no state on either service.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ import torch
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.async_engine import AsyncEngine
+from dspark.engine.faults import FaultPolicy, RequestsFailed
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.engine.verifier import LocalVerifier
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import parse_policy
 from services.drafter.client import RemoteDrafter
-from services.grpc_common import DeadlineExceeded, ServiceUnavailable
+from services.grpc_common import ServiceUnavailable
 from services.verifier.client import RemoteVerifier
 from tests.drafters.test_dspark_serving import make_serving_drafter
 from tests.services.conftest import PROFILE
@@ -147,12 +148,16 @@ class SlowVerifier(LocalVerifier):
         return super().verify(batch)
 
 
-def test_a_verifier_that_answers_after_the_deadline_is_a_clear_error(serve, tiny_runtime):
+def test_a_verifier_that_answers_after_the_deadline_is_retried_then_a_clear_error(serve, tiny_runtime):
     address = serve.verifier(SlowVerifier(tiny_runtime))
-    engine = SpeculativeEngine.from_parts(verifier=RemoteVerifier(address, verify_deadline_s=0.2), drafter=None)
+    engine = SpeculativeEngine.from_parts(verifier=RemoteVerifier(address, verify_deadline_s=0.2), drafter=None,
+                                          faults=FaultPolicy(max_rebuilds=1))
     engine.add_request(GenerationRequest("a", [1, 2, 3], 5, GREEDY))
-    with pytest.raises(DeadlineExceeded, match=rf"verifier at {address}: Verify: no answer within the 0.2 s deadline"):
+    assert engine.step() == [] and engine.running["a"].needs_rebuild  # a late round is retried (dspark/engine/faults.py)
+    assert engine.step() == []  # rebuilt on the verifier, and late again
+    with pytest.raises(RequestsFailed, match=rf"verifier at {address}: Verify: no answer within the 0.2 s deadline") as failed:
         engine.step()
+    assert failed.value.request_ids == ["a"] and not engine.running
 
 
 def test_an_unreachable_service_is_reported_at_construction(serve, tiny_runtime):

@@ -1,0 +1,10 @@
+"""Observability of the serving system: OpenTelemetry traces and Prometheus metrics.
+
+- tracing.py       tracer set-up (OTLP, off unless configured), W3C context propagation, span helpers
+- grpc_tracing.py  gRPC interceptors: trace context in metadata, CLIENT / SERVER spans
+- asgi.py          the gateway's middleware: a span per HTTP request, HTTP metrics
+- rounds.py        one engine round: its spans (round > draft, schedule, verify) and its metrics
+- metrics.py       the Prometheus metrics and their exposition (/metrics)
+
+Configuration: the `observability` section of dspark/serving_config.py.
+"""

@@ -1,0 +1,222 @@
+"""The gateway's HTTP connection limits (gateway/connection_limits.py), with raw sockets against a
+real uvicorn server: the embedded gateway on the tiny random model.
+
+Specification: a connection that sends nothing is closed after the header timeout; a client that
+trickles its headers, or its body, gets 408 with OpenAI's error body and is cut off; an idle
+kept-alive connection is closed after the keep-alive timeout; beyond `max_connections` a request
+is answered 503 (OpenAI's error body, `connection: close`) at once, but for the probes (/live,
+/health), and a generation already streaming meanwhile (while a body over the size limit is also
+refused, 413) completes with exactly the tokens it would have had alone; slots come back when
+connections close. The limits come from the serving configuration's gateway section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from dspark.drafters.ngram import NgramDrafter
+from dspark.engine.async_engine import AsyncEngine
+from dspark.engine.speculative import SpeculativeEngine
+from dspark.serving_config import GatewaySection, ServingConfig
+from gateway.connection_limits import uvicorn_config
+from gateway.openai_schema import ErrorResponse
+from gateway.server import embedded_gateway
+from tests.conftest import make_tiny_runtime
+from tests.gateway.conftest import ByteTokenizer
+from tests.polling import wait_until
+
+MODEL = "tiny-random"
+LIMITS = GatewaySection(max_connections=8, header_timeout_s=0.5, body_timeout_s=1.0, keep_alive_timeout_s=1.0)
+SLACK_S = 3.0  # a loaded 2-core machine may be late by this much; never early
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    """The embedded gateway; each engine step sleeps 5 ms, so that a 200-token stream lasts about a second."""
+    spec = SpeculativeEngine(make_tiny_runtime(), NgramDrafter(), num_speculative_tokens=3)
+    step = spec.step
+
+    def slow_step():
+        time.sleep(0.005)
+        return step()
+
+    spec.step = slow_step
+    engine = AsyncEngine(spec, idle_poll_s=0.01).start()
+    gateway = embedded_gateway(engine, ByteTokenizer(), model_name=MODEL, max_tokens_limit=256)
+    yield gateway
+    gateway.close()
+    engine.shutdown()
+
+
+@contextlib.contextmanager
+def limited_server(app, limits: GatewaySection):
+    """`app` behind a real uvicorn server with `limits`, on a free port; yields (server, port)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn_config(app, limits=limits, host="127.0.0.1", port=sock.getsockname()[1],
+                                           log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_until(lambda: server.started, timeout=20), "uvicorn did not start"
+    try:
+        yield server, sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.settimeout(10)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response with a content-length body: (status, headers, body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a full response: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    return int(lines[0].split()[1]), headers, body
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def assert_error_body(body: bytes, code: str) -> None:
+    assert ErrorResponse.model_validate(json.loads(body)).error.code == code
+
+
+def test_the_limits_are_the_serving_configurations_gateway_section():
+    config = ServingConfig.load(env={"DSPARK_GATEWAY_MAX_CONNECTIONS": "64", "DSPARK_GATEWAY_HEADER_TIMEOUT_S": "2.5"})
+    limits = config.gateway
+    assert (limits.max_connections, limits.header_timeout_s) == (64, 2.5)
+    uv = uvicorn_config(object(), limits=limits)
+    assert (uv.host, uv.port) == (limits.host, limits.port)
+    assert uv.timeout_keep_alive == limits.keep_alive_timeout_s and uv.h11_max_incomplete_event_size == limits.max_header_bytes
+    with pytest.raises(ValueError, match="gateway.body_timeout_s must be > 0"):
+        GatewaySection(body_timeout_s=0)
+
+
+def test_a_silent_connection_is_closed_after_the_header_timeout_and_an_idle_one_after_keep_alive(gateway):
+    with limited_server(gateway.app, LIMITS) as (_, port):
+        silent, kept = connect(port), connect(port)
+        t0 = time.monotonic()
+        kept.sendall(b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n")
+        status, _, body = read_response(kept)
+        assert status == 200 and json.loads(body) == {"status": "ok"}
+        assert closed_by_server(silent)  # nothing was asked: closed without a response
+        assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - t0 <= LIMITS.header_timeout_s + SLACK_S
+        assert closed_by_server(kept)
+        assert LIMITS.keep_alive_timeout_s * 0.9 <= time.monotonic() - t0 <= LIMITS.keep_alive_timeout_s + SLACK_S
+
+
+def test_a_client_trickling_its_headers_gets_408_and_is_cut_off(gateway):
+    with limited_server(gateway.app, LIMITS) as (_, port):
+        sock, t0 = connect(port), time.monotonic()
+        sock.settimeout(0.1)
+        response = b""
+        for byte in b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"z" * 200:
+            try:
+                sock.sendall(bytes([byte]))
+                response = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            break
+        elapsed = time.monotonic() - t0
+        assert LIMITS.header_timeout_s * 0.9 <= elapsed <= LIMITS.header_timeout_s + SLACK_S
+        assert response.startswith(b"HTTP/1.1 408"), response
+        assert_error_body(response.partition(b"\r\n\r\n")[2], "request_timeout")
+
+
+def test_a_client_trickling_its_body_gets_408_and_the_server_keeps_serving(gateway):
+    body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 4}).encode()
+    with limited_server(gateway.app, LIMITS) as (_, port):
+        sock = connect(port)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(body))
+        t0 = time.monotonic()
+        sock.settimeout(0.1)
+        response = b""
+        for byte in body:
+            try:
+                sock.sendall(bytes([byte]))
+                response = sock.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            break
+        elapsed = time.monotonic() - t0
+        assert LIMITS.body_timeout_s * 0.9 <= elapsed <= LIMITS.body_timeout_s + SLACK_S
+        assert response.startswith(b"HTTP/1.1 408"), response
+        assert_error_body(response.partition(b"\r\n\r\n")[2], "request_timeout")
+        # the same request sent at once is served
+        fast = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30)
+        assert fast.status_code == 200 and fast.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_flood_of_connections_and_an_oversized_body_are_refused_while_a_stream_completes_exactly(gateway):
+    request = {"model": MODEL, "prompt": "The flood", "max_tokens": 200, "temperature": 0}
+    flood_size = 3 * LIMITS.max_connections
+    with limited_server(gateway.app, LIMITS) as (server, port):
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(base_url=base, timeout=60) as client, \
+                client.stream("POST", "/v1/completions", json={**request, "stream": True}) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            streamed = [json.loads(next(events))]  # the generation runs: now the flood
+            flood = [connect(port) for _ in range(flood_size)]
+            probe = connect(port)  # beyond the cap too, but a probe is answered: a flood makes Kubernetes restart nothing
+            assert wait_until(lambda: len(server.server_state.connections) == 2 + flood_size, timeout=10), "flood not accepted"
+            for sock in flood:
+                sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+            probe.sendall(b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n")
+            answers = [read_response(sock) for sock in flood]
+            assert read_response(probe)[0] == 200
+            probe.close()
+            for sock in flood:
+                sock.close()
+            oversized = httpx.post(base + "/v1/completions", content=b"x" * (2 << 20), headers={"content-type": "application/json"},
+                                   timeout=30)  # and a body over the limit (1 MiB), meanwhile
+            assert oversized.status_code == 413
+            assert_error_body(oversized.content, "request_too_large")
+            streamed += [json.loads(e) for e in events if e != "[DONE]"]
+        served = [a for a in answers if a[0] == 200]
+        refused = [a for a in answers if a[0] == 503]
+        assert len(served) == LIMITS.max_connections - 1  # the stream holds one slot
+        assert len(refused) == flood_size - len(served)
+        for _, headers, body in refused:
+            assert headers["connection"] == "close" and headers["retry-after"] == "1"
+            assert_error_body(body, "too_many_connections")
+        # the stream finished normally, with the text of the same request served alone
+        text = "".join(c["choices"][0]["text"] for c in streamed if c["choices"])
+        assert streamed[-1]["usage"] is None and [c["choices"][0]["finish_reason"] for c in streamed if c["choices"]][-1] == "length"
+        alone = httpx.post(base + "/v1/completions", json=request, timeout=60).json()
+        assert text == alone["choices"][0]["text"] and alone["usage"]["completion_tokens"] == 200
+        # every slot came back
+        assert wait_until(lambda: len(server.server_state.connections) == 0, timeout=10), "connections left open"
+        answers = [httpx.get(base + "/live", timeout=10).status_code for _ in range(LIMITS.max_connections)]
+        assert answers == [200] * LIMITS.max_connections
