@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "ObservabilitySection", "RedisSection", "RpcSection",
-    "SchedulerSection",
-    "ServingConfig", "VerifierSection",
+    "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "ObservabilitySection", "RedisSection",
+    "RpcSection", "SchedulerSection", "ServingConfig", "VerifierSection",
 ]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # dspark.model.model_store.DEFAULT_MODEL (not imported: it pulls in torch)
@@ -237,9 +236,11 @@ class ObservabilitySection:
 
     def __post_init__(self) -> None:
         _check(self.otlp_protocol in ("", "grpc", "http/protobuf"),
-               f"observability.otlp_protocol must be 'grpc', 'http/protobuf' or '' (the SDK's variable), got {self.otlp_protocol!r}")
+               f"observability.otlp_protocol must be 'grpc', 'http/protobuf' or '' (the SDK's variable), "
+               f"got {self.otlp_protocol!r}")
         _check(0.0 <= self.sample_ratio <= 1.0, f"observability.sample_ratio must be in [0, 1], got {self.sample_ratio}")
-        _check(0 <= self.metrics_port <= 65535, f"observability.metrics_port must be in [0, 65535] (0 = none), got {self.metrics_port}")
+        _check(0 <= self.metrics_port <= 65535,
+               f"observability.metrics_port must be in [0, 65535] (0 = none), got {self.metrics_port}")
 
 
 @dataclass(frozen=True)

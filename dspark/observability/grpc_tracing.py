@@ -164,7 +164,8 @@ class _ServerSpans:
         if not (valid or self.root_spans):
             return None
         method = details.method
-        return tracing.tracer().start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER, attributes=_attributes(method))
+        return tracing.tracer().start_span(method.lstrip("/"), context=parent, kind=SpanKind.SERVER,
+                                           attributes=_attributes(method))
 
 
 def _failed(span: trace.Span, context, error: BaseException) -> None:

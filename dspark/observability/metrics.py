@@ -52,7 +52,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 __all__ = [
-    "BatchHistogram", "EngineMetrics", "PositionCounters", "GatewayMetrics", "RequestTiming", "RoundRecord", "engine_metrics", "exposition", "gateway_metrics",
+    "BatchHistogram", "EngineMetrics", "GatewayMetrics", "PositionCounters", "RequestTiming", "RoundRecord", "engine_metrics",
+    "exposition", "gateway_metrics",
     "start_metrics_server",
 ]
 
@@ -185,9 +186,10 @@ class EngineMetrics:
                                               TOKEN_COUNT_BUCKETS, registry)
         self.verify_batch_tokens = histogram("dspark_verify_batch_tokens", "Tokens in one verifier forward (B).",
                                              BATCH_TOKEN_BUCKETS)
-        self.phase_seconds = histogram("dspark_round_phase_seconds", "Seconds per round in each phase.", PHASE_BUCKETS, ("phase",))
-        self.verifier_sps = Gauge("dspark_verifier_sps", "Verifier steps per second measured on the last round (1 / verify seconds).",
-                                  registry=registry)
+        self.phase_seconds = histogram("dspark_round_phase_seconds", "Seconds per round in each phase.", PHASE_BUCKETS,
+                                       ("phase",))
+        self.verifier_sps = Gauge("dspark_verifier_sps",
+                                  "Verifier steps per second measured on the last round (1 / verify seconds).", registry=registry)
         self.prompt_tokens = counter("dspark_prompt_tokens", "Prompt tokens prefilled.")
         self.generation_tokens = counter("dspark_generation_tokens", "Tokens generated.")
         self.queue_depth = Gauge("dspark_queue_depth", "Requests waiting for admission to the batch.", registry=registry)
@@ -252,8 +254,8 @@ class GatewayMetrics:
     """The gateway's HTTP metrics in `registry`; one instance per process (gateway_metrics)."""
 
     def __init__(self, registry: CollectorRegistry = REGISTRY):
-        self.requests = Counter("dspark_http_requests", "HTTP requests answered, by route and status.", ("method", "route", "status"),
-                                registry=registry)
+        self.requests = Counter("dspark_http_requests", "HTTP requests answered, by route and status.",
+                                ("method", "route", "status"), registry=registry)
         self.duration = Histogram("dspark_http_request_duration_seconds", "Seconds to answer an HTTP request (whole body).",
                                   ("method", "route"), buckets=HTTP_BUCKETS, registry=registry)
         self.bus_queue_depth = Gauge("dspark_bus_queue_depth", "Requests on the bus not yet acknowledged.", registry=registry)

@@ -110,14 +110,17 @@ class TracingSettings:
         return self.endpoint
 
 
-def resolve_settings(section: ObservabilitySection, *, service: str, env: Mapping[str, str] | None = None) -> TracingSettings | None:
+def resolve_settings(
+    section: ObservabilitySection, *, service: str, env: Mapping[str, str] | None = None,
+) -> TracingSettings | None:
     """The settings for `service` (gateway, scheduler, drafter, verifier, serve), or None when
     tracing is off: no endpoint in the config nor in OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, or the
     SDK's switches say so (OTEL_SDK_DISABLED=true, OTEL_TRACES_EXPORTER=none)."""
     env = os.environ if env is None else env
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or env.get("OTEL_TRACES_EXPORTER", "").strip() == "none":
         return None
-    endpoint = section.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or ""
+    endpoint = (section.otlp_endpoint or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                or "")
     if not endpoint.strip():
         return None
     protocol = (section.otlp_protocol or env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL")
@@ -128,7 +131,8 @@ def resolve_settings(section: ObservabilitySection, *, service: str, env: Mappin
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"OTLP endpoint must be an http(s)://host:port URL, got {endpoint!r}")
     service_name = env.get("OTEL_SERVICE_NAME") or f"dspark-{service}"
-    return TracingSettings(endpoint=endpoint.strip(), protocol=protocol, service_name=service_name, sample_ratio=section.sample_ratio)
+    return TracingSettings(endpoint=endpoint.strip(), protocol=protocol, service_name=service_name,
+                           sample_ratio=section.sample_ratio)
 
 
 def make_tracer_provider(settings: TracingSettings, exporter=None):

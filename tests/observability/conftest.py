@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dspark.observability import tracing
-from tests.services.conftest import serve, tiny_model_dir  # noqa: F401 - fixtures: gRPC servers on loopback, the tiny model on disk
+from tests.services.conftest import serve, tiny_model_dir  # noqa: F401 - fixtures (module docstring)
 
 # A W3C traceparent a client might send: trace 4bf9..., parent span 00f0..., sampled.
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

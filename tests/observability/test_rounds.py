@@ -16,7 +16,7 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.observability import tracing
 from dspark.sampling.params import SamplingParams
-from tests.observability.conftest import by_name, the_span
+from tests.observability.conftest import by_name
 
 GREEDY = SamplingParams(temperature=0.0)
 REPETITIVE = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # the n-gram drafter finds matches in it

@@ -77,15 +77,17 @@ def test_one_request_is_one_trace_across_the_gateway_drafter_and_verifier_proces
                 tmp_path),
         ]
         provider = tracing.make_tracer_provider(tracing.TracingSettings(
-            endpoint=receiver.http_endpoint, protocol="http/protobuf", service_name="dspark-gateway-under-test", sample_ratio=1.0))
+            endpoint=receiver.http_endpoint, protocol="http/protobuf", service_name="dspark-gateway-under-test",
+            sample_ratio=1.0))
         try:
-            for proc, port, service in ((processes[0], verifier_port, VERIFIER_SERVICE), (processes[1], drafter_port, DRAFTER_SERVICE)):
+            for proc, port, service in zip(processes, (verifier_port, drafter_port), (VERIFIER_SERVICE, DRAFTER_SERVICE)):
                 try:
                     wait_until_serving(f"127.0.0.1:{port}", service, timeout=300, alive=lambda p=proc: p.poll() is None)
                 except (RuntimeError, TimeoutError) as e:
                     pytest.fail(f"{e}:\n" + "\n".join(p.read_text() for p in tmp_path.glob("*.log")))
             verifier, drafter = RemoteVerifier(f"127.0.0.1:{verifier_port}"), RemoteDrafter(f"127.0.0.1:{drafter_port}")
-            engine = AsyncEngine(SpeculativeEngine.from_parts(verifier=verifier, drafter=drafter, num_speculative_tokens=3)).start()
+            spec = SpeculativeEngine.from_parts(verifier=verifier, drafter=drafter, num_speculative_tokens=3)
+            engine = AsyncEngine(spec).start()
             gateway = embedded_gateway(engine, ByteTokenizer(), model_name=MODEL)
             try:
                 with tracing.use_tracer_provider(provider), live_server(gateway.app) as url:

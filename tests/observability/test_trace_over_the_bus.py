@@ -30,7 +30,8 @@ MODEL = "tiny-random"
 
 
 async def test_the_worker_continues_the_gateways_span_on_either_bus(spans, make_bus):  # noqa: F811 - the imported fixture
-    engine = AsyncEngine(SpeculativeEngine(make_tiny_runtime(), NgramDrafter(), num_speculative_tokens=3), idle_poll_s=0.01).start()
+    spec = SpeculativeEngine(make_tiny_runtime(), NgramDrafter(), num_speculative_tokens=3)
+    engine = AsyncEngine(spec, idle_poll_s=0.01).start()
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(make_bus(), engine, consumer="w", stop=stop, block_s=0.05))
     app = create_app(make_bus(), ByteTokenizer(), model_name=MODEL, max_model_len=engine.max_model_len, vocab_size=256)

@@ -70,8 +70,11 @@ def test_a_bad_endpoint_or_protocol_is_an_error_naming_it(section, env, message)
         tracing.resolve_settings(section, service="verifier", env=env)
 
 
-@pytest.mark.parametrize(("keys", "message"), [({"otlp_protocol": "json"}, "otlp_protocol"), ({"sample_ratio": 1.5}, "sample_ratio"),
-                                               ({"metrics_port": 70000}, "metrics_port")])
+@pytest.mark.parametrize(("keys", "message"), [
+    ({"otlp_protocol": "json"}, "otlp_protocol"),
+    ({"sample_ratio": 1.5}, "sample_ratio"),
+    ({"metrics_port": 70000}, "metrics_port"),
+])
 def test_the_config_section_validates_its_values(keys, message):
     with pytest.raises(ValueError, match=message):
         ServingConfig().updated({"observability": keys})
