@@ -12,6 +12,7 @@ uvicorn's h11 protocol with
     `body_timeout_s` of the headers. A client that misses it gets 408 with OpenAI's error body
     (or, if it sent nothing at all, a plain close) and its connection is closed; the app sees a
     disconnect.
+  * request line + headers of at most `max_header_bytes` (431 beyond, 400 if h11 gives up first);
   * a cap on open connections, `max_connections`: a request on a connection beyond it is answered
     503 (OpenAI's error body, `connection: close`) without reaching the app, so requests already
     running keep their slots and finish; only the probes (/live, /health) are still answered.
@@ -45,6 +46,25 @@ def _json_response(status: int, reason: str, message: str, *, type: str, code: s
     return head.encode() + body
 
 
+def _header_size_checked(app, limit: int):
+    """`app`, but a request whose line and headers exceed `limit` bytes gets 431. (h11 bounds only
+    headers that arrive in pieces; a large block read at once is parsed whole.)"""
+    body = json.dumps(error_body(f"The request's headers exceed this server's limit of {limit} bytes.",
+                                 type="invalid_request_error", code="request_header_fields_too_large")).encode()
+
+    async def checked(scope, receive, send) -> None:
+        size = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b"")) + sum(
+            len(name) + len(value) + 4 for name, value in scope.get("headers", ()))  # "name: value\r\n"
+        if scope["type"] == "http" and size > limit:
+            await send({"type": "http.response.start", "status": 431, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await app(scope, receive, send)
+
+    return checked
+
+
 def _too_many_connections_app(app, limit: int):
     """The ASGI app a connection beyond the cap is served by: 503 without touching `app`, except for
     the probes (a flood must not make Kubernetes restart a healthy gateway)."""
@@ -69,6 +89,7 @@ class LimitedH11Protocol(H11Protocol):
     def __init__(self, *args, limits: GatewaySection, **kwargs):
         super().__init__(*args, **kwargs)
         self.limits = limits
+        self.app = _header_size_checked(self.app, limits.max_header_bytes)
         self._phase: str | None = None  # "headers" | "body" | None: what the running deadline waits for
         self._deadline: asyncio.TimerHandle | None = None
         self._received_any = False  # whether the request now awaited has sent a byte (else a timeout closes silently)
@@ -95,6 +116,14 @@ class LimitedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self._received_any = bool(self.conn.trailing_data[0])
             self._follow_request()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (malformed, or headers over `max_header_bytes`): OpenAI's error
+        body instead of uvicorn's plain text, then close."""
+        self.transport.write(_json_response(400, "Bad Request", f"{msg} (malformed, or headers over "
+                                            f"{self.limits.max_header_bytes} bytes)", type="invalid_request_error",
+                                            code="invalid_http_request"))
+        self.transport.close()
 
     # ---- deadlines ----
 

@@ -4,8 +4,8 @@ The load generator scrapes /metrics before and after a point. The verifier batch
 per verification forward, B = Σ_r (1 + ℓ_r) of Algorithm 1) is then, for a histogram or summary
 `<name>_sum` / `<name>_count`, the mean over the point's forwards: Δsum / Δcount; for a gauge,
 its value after the point. Which metric: `--batch-metric NAME`, or the first name containing
-both "verif" and "batch" (e.g. `dspark_verifier_batch_tokens`). A server without /metrics (the
-embedded gateway today answers 404) gives None and the column stays empty.
+both "verif" and "batch" (ours: `dspark_verify_batch_tokens`). A server without /metrics (404)
+gives None and the column stays empty.
 """
 
 from __future__ import annotations

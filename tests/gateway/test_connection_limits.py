@@ -2,7 +2,9 @@
 real uvicorn server: the embedded gateway on the tiny random model.
 
 Specification: a connection that sends nothing is closed after the header timeout; a client that
-trickles its headers, or its body, gets 408 with OpenAI's error body and is cut off; an idle
+trickles its headers, or its body, gets 408 with OpenAI's error body and is cut off; headers over
+`max_header_bytes` get 431 (400 while still arriving), a request that is not HTTP 400, with that
+body; an idle
 kept-alive connection is closed after the keep-alive timeout; beyond `max_connections` a request
 is answered 503 (OpenAI's error body, `connection: close`) at once, but for the probes (/live,
 /health), and a generation already streaming meanwhile (while a body over the size limit is also
@@ -149,6 +151,21 @@ def test_a_client_trickling_its_headers_gets_408_and_is_cut_off(gateway):
         assert LIMITS.header_timeout_s * 0.9 <= elapsed <= LIMITS.header_timeout_s + SLACK_S
         assert response.startswith(b"HTTP/1.1 408"), response
         assert_error_body(response.partition(b"\r\n\r\n")[2], "request_timeout")
+
+
+@pytest.mark.parametrize(("request_bytes", "status", "code"), [
+    (b"GET /live HTTP/1.1\r\nHost: t\r\nX-Big: " + b"z" * 20_000 + b"\r\n\r\n", 431, "request_header_fields_too_large"),
+    (b"GET /live HTTP/1.1\r\nHost: t\r\n" + b"X-Many: z\r\n" * 1500, 400, "invalid_http_request"),  # too big unfinished
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "invalid_http_request"),
+])
+def test_headers_over_the_limit_or_malformed_get_4xx_with_the_error_body(gateway, request_bytes, status, code):
+    with limited_server(gateway.app, LIMITS) as (_, port):
+        sock = connect(port)
+        sock.sendall(request_bytes)
+        got, headers, body = read_response(sock)
+        assert got == status and headers["connection"] == "close"
+        assert_error_body(body, code)
+        assert closed_by_server(sock)
 
 
 def test_a_client_trickling_its_body_gets_408_and_the_server_keeps_serving(gateway):
