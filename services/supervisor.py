@@ -64,7 +64,7 @@ class Supervisor:
         self,
         spawn: Callable[[list[str]], subprocess.Popen],
         *,
-        policy: RestartPolicy = RestartPolicy(),  # noqa: B008 (frozen)
+        policy: RestartPolicy = RestartPolicy(),  # frozen: one shared default is safe
         on_restart: Callable[[Child, int], None] | None = None,  # (child, exit status of the process it replaces)
     ):
         self._spawn = spawn

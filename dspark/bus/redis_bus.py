@@ -256,7 +256,8 @@ class RedisBus(Bus):
         finished = await self._reconnecting(where, lambda: self.redis.hget(state_key, "finished")) == "1"
         while True:
             block = None if finished else _ms(self.tail_block_s)
-            response = await self._reconnecting(where, lambda: self.redis.xread({out_key: last}, count=512, block=block))
+            response = await self._reconnecting(
+                where, lambda last=last, block=block: self.redis.xread({out_key: last}, count=512, block=block))
             if not response:
                 if finished:
                     return

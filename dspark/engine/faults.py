@@ -59,7 +59,8 @@ class FaultPolicy:
 
     def __post_init__(self) -> None:
         if not (self.retry_interval_s > 0 and self.verifier_timeout_s > 0):
-            raise ValueError(f"retry_interval_s and verifier_timeout_s must be > 0, got {self.retry_interval_s}, {self.verifier_timeout_s}")
+            raise ValueError(f"retry_interval_s and verifier_timeout_s must be > 0, "
+                             f"got {self.retry_interval_s}, {self.verifier_timeout_s}")
         if self.max_rebuilds < 0:
             raise ValueError(f"max_rebuilds must be >= 0, got {self.max_rebuilds}")
 
