@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -46,8 +47,9 @@ class Gateway:
     """One engine behind an in-memory bus with its worker; `app(**kwargs)` makes a gateway app
     (a replica) on that bus."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, paused: threading.Event):
         self.engine, self.bus = engine, MemoryBus()
+        self.paused = paused  # set: the engine takes no step (a running stream cannot end meanwhile)
 
     def app(self, **kwargs):
         return create_app(self.bus, ByteTokenizer(), model_name=MODEL, max_model_len=self.engine.max_model_len, vocab_size=256,
@@ -58,14 +60,17 @@ class Gateway:
 async def gateway():
     spec = SpeculativeEngine(make_tiny_runtime(kv_budget_tokens=4096), NgramDrafter(), num_speculative_tokens=3)
     step = spec.step
+    paused = threading.Event()
 
     def slow_step():  # ~50 steps a second: a 400-token stream runs long enough to overlap other requests
         time.sleep(0.02)
+        while paused.is_set():
+            time.sleep(0.005)
         return step()
 
     spec.step = slow_step
     engine = AsyncEngine(spec, idle_poll_s=0.01).start()
-    made = Gateway(engine)
+    made = Gateway(engine, paused)
     stop = asyncio.Event()
     worker = asyncio.create_task(run_worker(made.bus, engine, consumer="w", stop=stop, block_s=0.05))
     yield made
@@ -179,7 +184,9 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_slot(gateway):
             async for line in stream.aiter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     break  # leave mid-stream
+            gateway.paused.set()  # however fast the machine, the stream cannot finish before the check
             assert_rate_limited(await client.post("/v1/completions", json=SHORT))  # still held: the stream runs
+            gateway.paused.clear()
         # the connection is closed: the gateway notices at its next chunk, cancels and releases
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
             r = await first_not_limited(client, f"{url}/v1/completions")
@@ -229,7 +236,11 @@ async def test_two_gateway_replicas_share_one_limit_in_redis(gateway):
                 r = await first_not_limited(client, f"{url_two}/v1/completions")
                 assert r.status_code == 200, r.text
                 assert (await client.post(f"{url_one}/v1/completions", json=SHORT)).status_code == 200
-                error = assert_rate_limited(await client.post(f"{url_two}/v1/completions", json=SHORT))
+                for _ in range(100):  # a slot is released just after its response is sent: wait for the last one's
+                    error = assert_rate_limited(await client.post(f"{url_two}/v1/completions", json=SHORT))
+                    if "in flight" not in error["message"]:
+                        break
+                    await asyncio.sleep(0.05)
                 assert "per minute" in error["message"]  # three tokens taken, on both replicas
 
 
