@@ -181,9 +181,9 @@ async def test_a_client_that_disconnects_mid_stream_frees_its_slot(gateway):
         headers = {"Authorization": "Bearer sk-a"}
         async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client, \
                 client.stream("POST", "/v1/completions", json=ENDLESS) as stream:
-            async for line in stream.aiter_lines():
-                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                    break  # leave mid-stream
+            lines = stream.aiter_lines()  # kept: a dropped iterator is closed, and with it the stream
+            while not ((line := await anext(lines)).startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]):
+                pass  # read up to the first text, then stop reading mid-stream
             gateway.paused.set()  # however fast the machine, the stream cannot finish before the check
             assert_rate_limited(await client.post("/v1/completions", json=SHORT))  # still held: the stream runs
             gateway.paused.clear()
