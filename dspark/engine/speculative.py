@@ -363,6 +363,7 @@ class SpeculativeEngine:
         drafting = [s for s in decoding if s.drafter_synced]
         if not drafting or self.gamma == 0:
             return no_drafts
+        cap = self.gamma if self.policy is None or self.policy.max_drafts is None else self.policy.max_drafts
         reqs = [
             DraftRequest(
                 request_id=s.request.request_id,
@@ -370,7 +371,7 @@ class SpeculativeEngine:
                 num_prompt_tokens=len(s.request.prompt_ids),
                 params=s.request.params,
                 # at most remaining-1 drafts: a round emits ℓ+1 tokens and must not pass max_new_tokens
-                max_draft_tokens=max(0, min(self.gamma, s.remaining - 1)),
+                max_draft_tokens=max(0, min(self.gamma, s.remaining - 1, cap)),
                 generator=s.generator,
             )
             for s in drafting

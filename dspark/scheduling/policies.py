@@ -39,6 +39,9 @@ class Policy(Protocol):
     spec: str  # the string `parse_policy` reads back into an equal policy, e.g. "fixed:3"
     needs_confidences: bool  # True: draft_lengths raises without calibrated confidences
     needs_sps_profile: bool  # True: draft_lengths raises without the verifier's SPS table
+    # the most drafts a request ever gets verified in a round (None: up to γ); the engine asks the
+    # drafter for no more, so `fixed:1` pays for one draft position, not γ
+    max_drafts: int | None
 
     def draft_lengths(
         self,
@@ -84,6 +87,7 @@ class NonePolicy:
     spec: str = "none"
     needs_confidences: bool = False
     needs_sps_profile: bool = False
+    max_drafts: int | None = 0
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
@@ -110,6 +114,10 @@ class FixedPolicy:
     def spec(self) -> str:
         return f"fixed:{self.k}"
 
+    @property
+    def max_drafts(self) -> int:
+        return self.k
+
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         return np.minimum(_num_drafts(request_ids, num_drafts), self.k)  # [R]
@@ -133,6 +141,7 @@ class ThresholdPolicy:
     threshold: float
     needs_confidences: bool = True
     needs_sps_profile: bool = False
+    max_drafts: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:  # also rejects NaN
@@ -162,6 +171,7 @@ class DSparkPolicy:
     spec: str = "dspark"
     needs_confidences: bool = True
     needs_sps_profile: bool = True
+    max_drafts: int | None = None
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
@@ -192,6 +202,7 @@ class DSparkAsyncPolicy:
     spec: str = "dspark-async"
     needs_confidences: bool = True
     needs_sps_profile: bool = True
+    max_drafts: int | None = None
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
     _population: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)  # deque[(round, mean c [n])]

@@ -13,33 +13,20 @@ import json
 import pytest
 import torch
 
-from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, load_checkpoint, save_checkpoint
 from dspark.drafters.checkpoint_io import checkpoint_algo
+from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, load_checkpoint, save_checkpoint
 from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, SharedWeights
 from dspark.drafters.dspark import save_checkpoint as save_dspark_checkpoint
 from dspark.drafters.dspark.model import BlockBatch, DraftBlock
 from dspark.model.config import ModelConfig
+from tests.drafters.conftest import with_random_norms
 from tests.drafters.test_dspark_model import HIDDEN, M, random_context, reference_block_hidden, sample_batch
-
-
-@pytest.fixture(scope="module")
-def target():
-    from tests.conftest import build_transformer, random_hf_state_dict
-
-    cfg = ModelConfig.tiny()
-    return build_transformer(cfg, random_hf_state_dict(cfg, seed=0), compute_dtype=torch.float32)
 
 
 def make_dflash(target, *, seed: int = 0, **overrides) -> DFlashDrafter:
     """A tiny DFlash drafter with random norms too (so a wrong norm would show)."""
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(DFlashConfig.tiny(**overrides), shared=SharedWeights.from_target(target))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return drafter.eval()
+    return with_random_norms(DFlashDrafter(DFlashConfig.tiny(**overrides), shared=SharedWeights.from_target(target)), seed=seed + 1)
 
 
 # ---- config -------------------------------------------------------------------------------------

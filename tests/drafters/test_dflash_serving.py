@@ -8,8 +8,6 @@ distribution; the drafter is built by name from a checkpoint (`make_drafter("dfl
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -18,12 +16,17 @@ from dspark.drafters.base import DraftRequest
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, save_checkpoint
 from dspark.drafters.dflash.serving import DFlashServingDrafter
 from dspark.drafters.dspark.model import BlockBatch, DraftBlock, SharedWeights
-from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.engine.speculative import SpeculativeEngine
+from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs
 from dspark.scheduling.policies import parse_policy
-from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
-
-GREEDY = SamplingParams(temperature=0.0)
+from tests.drafters.engine_checks import (
+    GREEDY,
+    assert_sampling_is_lossless,
+    greedy_plain_and_speculative,
+    steps_of_one_request,
+    totals,
+)
 
 
 def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: int = 4, **overrides) -> DFlashServingDrafter:
@@ -31,10 +34,6 @@ def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: 
     config = DFlashConfig.from_target(runtime.config, block_size=block_size, num_layers=1, target_layer_ids=runtime.capture_layers,
                                       **overrides)
     return DFlashServingDrafter(DFlashDrafter(config, shared=SharedWeights.from_target(runtime.model)), top_k=top_k)
-
-
-def totals(states):
-    return sum(s.draft_tokens for s in states), sum(s.accepted_tokens for s in states)
 
 
 def observed_drafter(runtime, *, seed: int = 0, top_k: int = 0):
@@ -57,7 +56,7 @@ def test_proposed_rows_are_exactly_the_distributions_the_tokens_were_drawn_from(
     logits = drafter.model(BlockBatch.from_blocks([DraftBlock(features, 9, 12)]))[0, 0]  # [γ, V]
     torch.testing.assert_close(proposal.dense_probs, logits_to_probs(logits, temperature=0.7), atol=1e-5, rtol=1e-5)
     # the tokens: one independent draw per row, replayed bit for bit from the returned rows
-    replay = torch.multinomial(proposal.dense_probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(1)
+    replay = sample_categorical(proposal.dense_probs, torch.Generator().manual_seed(5))
     assert torch.equal(proposal.token_ids, replay)
 
 
@@ -80,15 +79,11 @@ def test_greedy_and_truncated_proposals_carry_point_masses_and_sparse_rows(tiny_
 
 def test_greedy_output_with_the_dflash_drafter_equals_plain_decoding(tiny_runtime_factory):
     runtime = tiny_runtime_factory(vocab_size=8, capture_layers=(1, 3))  # a small vocabulary: some drafts get accepted
-    prompts = [[5, 6, 7, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2], [4, 0, 3] * 8]
-    plain = SpeculativeEngine(runtime, None).generate([GenerationRequest(f"p{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
     # An untrained DFlash drafter mostly predicts its mask token (the masks' residual streams start at
     # its embedding); this tiny target keeps repeating token 5, so 5 as the mask row gets drafts accepted.
     drafter = make_serving_drafter(runtime, mask_token_id=5)
-    spec = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4).generate(
-        [GenerationRequest(f"s{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
-    for a, b in zip(plain, spec):
-        assert a.output_ids == b.output_ids
+    plain, spec = greedy_plain_and_speculative(runtime, drafter, [[5, 6, 7, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2], [4, 0, 3] * 8])
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     drafted, accepted = totals(spec)
     assert drafted > 0 and accepted > 0  # drafts were made and some verified: not vacuous
     assert runtime.kv.reserved_tokens == 0
@@ -97,29 +92,15 @@ def test_greedy_output_with_the_dflash_drafter_equals_plain_decoding(tiny_runtim
 def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory):
     runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
                                    capture_layers=(0, 1))
-    prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 2000, 3
-    exact = exact_sequence_probs(runtime, prompt, num_tokens)
-    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2)
-    states = engine.generate([
-        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
-    ])
-    drafted, accepted = totals(states)
-    assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
-    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
-    p_value = chi_square_pvalue(samples, exact, num_samples)
-    assert p_value > 1e-3, p_value
+    assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_samples=2000)
 
 
 def test_the_context_cache_covers_exactly_the_verified_positions(tiny_runtime_factory):
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     drafter = make_serving_drafter(runtime)
-    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4)
-    engine.add_request(GenerationRequest("a", [5, 6, 7, 8, 9], 30, GREEDY))
-    for _ in range(4):
-        engine.step()
-        assert drafter.context_len("a") == runtime.context_len("a") == len(engine.running["a"].all_token_ids) - 1
-    engine.abort("a")
-    assert drafter.context_len("a") == 0
+    for state in steps_of_one_request(runtime, drafter):
+        assert drafter.context_len("a") == runtime.context_len("a") == len(state.all_token_ids) - 1
+    assert drafter.context_len("a") == 0  # aborted: its cache is freed
 
 
 def test_make_drafter_builds_it_from_a_checkpoint_and_it_offers_no_confidences(tiny_runtime_factory, tmp_path):

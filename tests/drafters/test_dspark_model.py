@@ -41,13 +41,8 @@ VOCAB, HIDDEN, M = 256, 64, 2  # DSparkConfig.tiny(): context from target layers
 # ---- fixtures -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target():
-    """The tiny random target (fp32 linear layers), whose embedding / LM head the drafter shares."""
-    from tests.conftest import build_transformer, random_hf_state_dict
-
-    cfg = ModelConfig.tiny()
-    return build_transformer(cfg, random_hf_state_dict(cfg, seed=0), compute_dtype=torch.float32)
+# `target`, the tiny random target (fp32 linear layers) the drafter shares its embedding / LM head
+# with: tests/drafters/conftest.py
 
 
 def make_drafter(target, *, seed: int = 0, **overrides) -> DSparkDrafter:

@@ -8,8 +8,6 @@ is reproducible; the drafter must read the layers the runtime captures.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -18,9 +16,13 @@ from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
 from dspark.drafters.dspark.serving import DSparkServingDrafter
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
-from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
-
-GREEDY = SamplingParams(temperature=0.0)
+from tests.drafters.engine_checks import (
+    GREEDY,
+    assert_sampling_is_lossless,
+    greedy_plain_and_speculative,
+    steps_of_one_request,
+    totals,
+)
 
 
 def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: int = 4) -> DSparkServingDrafter:
@@ -34,19 +36,11 @@ def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: 
     return DSparkServingDrafter(model, top_k=top_k)
 
 
-def totals(states):
-    return sum(s.draft_tokens for s in states), sum(s.accepted_tokens for s in states)
-
-
 def test_greedy_output_with_the_dspark_drafter_equals_plain_decoding(tiny_runtime_factory):
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
-    prompts = [[5, 6, 7, 8, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))]
-    plain = SpeculativeEngine(runtime, None).generate(
-        [GenerationRequest(f"p{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
-    spec = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4).generate(
-        [GenerationRequest(f"s{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
-    for a, b in zip(plain, spec):
-        assert a.output_ids == b.output_ids
+    plain, spec = greedy_plain_and_speculative(
+        runtime, make_serving_drafter(runtime), [[5, 6, 7, 8, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))])
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     drafted, _ = totals(spec)
     assert drafted > 0  # the drafter really proposed tokens
     assert runtime.kv.reserved_tokens == 0
@@ -55,33 +49,17 @@ def test_greedy_output_with_the_dspark_drafter_equals_plain_decoding(tiny_runtim
 def test_the_context_cache_covers_exactly_the_verified_positions(tiny_runtime_factory):
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     drafter = make_serving_drafter(runtime)
-    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4)
-    engine.add_request(GenerationRequest("a", [5, 6, 7, 8, 9], 30, GREEDY))
-    for _ in range(4):
-        engine.step()
-        state = engine.running["a"]
+    for state in steps_of_one_request(runtime, drafter):
         # KV holds prompt + output[:-1]; the drafter must hold features of the same positions
         assert drafter.context_len("a") == runtime.context_len("a") == len(state.all_token_ids) - 1
-    engine.abort("a")
-    assert drafter.context_len("a") == 0
+    assert drafter.context_len("a") == 0  # aborted: its cache is freed
 
 
 @pytest.mark.parametrize("top_k", [0, 3], ids=["dense-rows", "sparse-top3-rows"])
 def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory, top_k):
     runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
                                    capture_layers=(0, 1))
-    prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 3000, 3
-    exact = exact_sequence_probs(runtime, prompt, num_tokens)
-    drafter = make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2)
-    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=2)
-    states = engine.generate([
-        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
-    ])
-    drafted, accepted = totals(states)
-    assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
-    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
-    p_value = chi_square_pvalue(samples, exact, num_samples)
-    assert p_value > 1e-3, p_value
+    assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2), num_samples=3000)
 
 
 def test_a_seeded_request_is_reproducible_alone_or_in_a_batch(tiny_runtime_factory):
@@ -130,3 +108,30 @@ def test_cached_context_keys_values_give_the_same_drafts_as_recomputing_the_cont
         torch.testing.assert_close(cached, full, rtol=1e-5, atol=1e-5)
         expected = drafter.model.draft(BlockBatch.from_blocks([block]), temperature=0.0).tokens[0]  # [γ]
         assert proposal.token_ids.tolist() == expected.tolist()  # the padded two-request batch drafts the same
+
+
+def test_a_requests_draft_does_not_depend_on_how_far_its_neighbours_draft(tiny_runtime_factory):
+    """The heads run only as far as a request drafts (k), so a seeded request's tokens, rows and
+    generator state are the same next to a neighbour drafting γ as alone."""
+    from dspark.drafters.base import DraftRequest
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3), compute_dtype=torch.float32)
+    drafter = make_serving_drafter(runtime, seed=4)
+    gen = torch.Generator().manual_seed(1)
+    for rid in ("a", "b"):
+        drafter.observe(rid, torch.randn(9, 2, runtime.config.hidden_size, generator=gen))
+    tokens = list(range(3, 13))  # anchor at position 9
+    params = SamplingParams(temperature=1.0)
+
+    def draft_a(with_neighbour: bool):
+        g = torch.Generator().manual_seed(7)
+        reqs = [DraftRequest("a", tokens, 2, params, 2, g)]
+        if with_neighbour:
+            reqs.append(DraftRequest("b", tokens, 2, params, 4, torch.Generator().manual_seed(8)))
+        return drafter.propose(reqs)[0], torch.rand(1, generator=g)
+
+    (alone, next_alone), (batched, next_batched) = draft_a(False), draft_a(True)
+    assert len(alone) == len(batched) == 2 and alone.confidences.shape == (2,)
+    assert torch.equal(alone.token_ids, batched.token_ids)
+    torch.testing.assert_close(alone.dense_probs, batched.dense_probs, rtol=1e-5, atol=1e-6)
+    assert torch.equal(next_alone, next_batched)  # the same number of uniforms was drawn

@@ -21,29 +21,16 @@ from dspark.drafters.dspark.model import BlockBatch, SharedWeights
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_checkpoint, save_checkpoint
 from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import default_capture_layers
+from tests.drafters.conftest import with_random_norms
 from tests.drafters.test_dspark_model import _rope
 
 VOCAB, HIDDEN, M = 256, 64, 2
 
 
-@pytest.fixture(scope="module")
-def target():
-    from tests.conftest import build_transformer, random_hf_state_dict
-
-    cfg = ModelConfig.tiny()
-    return build_transformer(cfg, random_hf_state_dict(cfg, seed=0), compute_dtype=torch.float32)
-
-
 def make_eagle3(target, *, seed: int = 0, **overrides) -> Eagle3Drafter:
     """A tiny EAGLE-3 drafter with random norms too (so a wrong norm would show)."""
     torch.manual_seed(seed)
-    drafter = Eagle3Drafter(Eagle3Config.tiny(**overrides), shared=SharedWeights.from_target(target))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-    return drafter.eval()
+    return with_random_norms(Eagle3Drafter(Eagle3Config.tiny(**overrides), shared=SharedWeights.from_target(target)), seed=seed + 1)
 
 
 def random_sequences(seed: int = 0):

@@ -9,8 +9,6 @@ distribution; it is built by name from a checkpoint (`make_drafter("eagle3", ...
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -19,21 +17,22 @@ from dspark.drafters.base import DraftRequest
 from dspark.drafters.dspark.model import BlockBatch, SharedWeights
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_checkpoint
 from dspark.drafters.eagle3.serving import Eagle3ServingDrafter
-from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.engine.speculative import SpeculativeEngine
+from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs
-from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
-
-GREEDY = SamplingParams(temperature=0.0)
+from tests.drafters.engine_checks import (
+    GREEDY,
+    assert_sampling_is_lossless,
+    greedy_plain_and_speculative,
+    steps_of_one_request,
+    totals,
+)
 
 
 def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: int = 4) -> Eagle3ServingDrafter:
     torch.manual_seed(seed)
     config = Eagle3Config.from_target(runtime.config, block_size=block_size, target_layer_ids=runtime.capture_layers)
     return Eagle3ServingDrafter(Eagle3Drafter(config, shared=SharedWeights.from_target(runtime.model)), top_k=top_k)
-
-
-def totals(states):
-    return sum(s.draft_tokens for s in states), sum(s.accepted_tokens for s in states)
 
 
 def random_request_state(runtime, *, length: int, seed: int):
@@ -64,7 +63,7 @@ def test_serving_draws_each_token_from_the_unrolls_distribution_and_returns_thos
     expected = logits_to_probs(ttt_logits(drafter.model, features, tokens, proposal.token_ids.tolist()), temperature=0.8)
     torch.testing.assert_close(proposal.dense_probs, expected, atol=1e-5, rtol=1e-5)
     replay = torch.Generator().manual_seed(7)  # one draw per step, in order, from the returned rows
-    drawn = [int(torch.multinomial(proposal.dense_probs[k : k + 1], 1, generator=replay)) for k in range(4)]
+    drawn = [int(sample_categorical(proposal.dense_probs[k : k + 1], replay)) for k in range(4)]
     assert proposal.token_ids.tolist() == drawn
 
 
@@ -114,13 +113,9 @@ def test_a_request_is_refused_when_its_features_do_not_reach_the_anchor(tiny_run
 
 def test_greedy_output_with_the_eagle3_drafter_equals_plain_decoding(tiny_runtime_factory):
     runtime = tiny_runtime_factory(vocab_size=8, capture_layers=(1, 3))  # a small vocabulary: some drafts get accepted
-    prompts = [[5, 6, 7, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2], [4, 0, 3] * 8]
-    plain = SpeculativeEngine(runtime, None).generate([GenerationRequest(f"p{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
     drafter = make_serving_drafter(runtime, seed=8)  # an untrained drafter whose drafts this target sometimes accepts
-    spec = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4).generate(
-        [GenerationRequest(f"s{i}", p, 24, GREEDY) for i, p in enumerate(prompts)])
-    for a, b in zip(plain, spec):
-        assert a.output_ids == b.output_ids
+    plain, spec = greedy_plain_and_speculative(runtime, drafter, [[5, 6, 7, 1, 2], [1, 2, 3, 1, 2, 3, 1, 2], [4, 0, 3] * 8])
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     drafted, accepted = totals(spec)
     assert drafted > 0 and accepted > 0  # drafts were made and some verified: not vacuous
     assert runtime.kv.reserved_tokens == 0 and not drafter._kv and not drafter._features  # finished requests are freed
@@ -129,30 +124,16 @@ def test_greedy_output_with_the_eagle3_drafter_equals_plain_decoding(tiny_runtim
 def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory):
     runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
                                    capture_layers=(0, 1))
-    prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 2000, 3
-    exact = exact_sequence_probs(runtime, prompt, num_tokens)
-    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2)
-    states = engine.generate([
-        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
-    ])
-    drafted, accepted = totals(states)
-    assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
-    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
-    p_value = chi_square_pvalue(samples, exact, num_samples)
-    assert p_value > 1e-3, p_value
+    assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_samples=2000)
 
 
 def test_the_drafter_holds_features_of_exactly_the_verified_positions(tiny_runtime_factory):
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     drafter = make_serving_drafter(runtime)
-    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4)
-    engine.add_request(GenerationRequest("a", [5, 6, 7, 8, 9], 30, GREEDY))
-    for _ in range(4):
-        engine.step()
-        assert drafter.context_len("a") == runtime.context_len("a") == len(engine.running["a"].all_token_ids) - 1
+    for state in steps_of_one_request(runtime, drafter):
+        assert drafter.context_len("a") == runtime.context_len("a") == len(state.all_token_ids) - 1
         assert drafter.num_entries("a") <= drafter.context_len("a")  # committed entries never pass the verified tokens
-    engine.abort("a")
-    assert drafter.context_len("a") == 0 and drafter.num_entries("a") == 0
+    assert drafter.context_len("a") == 0 and drafter.num_entries("a") == 0  # aborted: its state is freed
 
 
 def test_make_drafter_builds_it_from_a_checkpoint(tiny_runtime_factory, tmp_path):

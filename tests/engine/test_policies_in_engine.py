@@ -51,6 +51,20 @@ def test_policies_change_how_many_drafts_are_verified(tiny_runtime_factory):
     assert drafted["none"] == 0 and 0.8 < drafted["fixed:1"] <= 1 and drafted["fixed:4"] > 2
 
 
+@pytest.mark.parametrize("spec, most", [("none", 0), ("fixed:1", 1), ("fixed:3", 3), ("dspark", 4)])
+def test_the_drafter_is_asked_for_no_more_drafts_than_the_policy_can_verify(tiny_runtime_factory, spec, most):
+    """fixed:1 (MTP-1) must not pay for drafting γ positions it never verifies."""
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = make_serving_drafter(runtime)
+    asked = []
+    propose = drafter.propose
+    drafter.propose = lambda reqs: asked.extend(r.max_draft_tokens for r in reqs) or propose(reqs)
+    states = run(runtime, drafter, parse_policy(spec), PROMPTS)
+    assert max(asked, default=0) == most
+    plain = run(runtime, None, None, PROMPTS)
+    assert [s.output_ids for s in states] == [s.output_ids for s in plain]
+
+
 def test_the_dspark_policy_needs_an_sps_profile(tiny_runtime_factory):
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     engine = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4, policy=parse_policy("dspark"))
@@ -92,7 +106,7 @@ def test_prefills_riding_in_a_round_are_counted_in_the_policys_batch(tiny_runtim
     seen = []
 
     class Recording:
-        spec, needs_confidences, needs_sps_profile = "recording", True, True
+        spec, needs_confidences, needs_sps_profile, max_drafts = "recording", True, True, None
 
         def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None, prefill_tokens=0, prefill_emitted=0):
             seen.append((list(request_ids), prefill_tokens, prefill_emitted, len(sps_table)))

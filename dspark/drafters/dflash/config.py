@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dspark.drafters.config_json import check_fields, config_from_dict, config_from_json, config_to_dict, config_to_json
+from dspark.drafters.config_json import DrafterConfigBase, config_for_target
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.model.config import ModelConfig
 
@@ -26,7 +26,7 @@ ALGO = "dflash"
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(DrafterConfigBase):
     # ---- shared with the target (embedding / LM head / RoPE) -------------------------------
     vocab_size: int
     hidden_size: int  # must equal the target's: the embedding and LM head are the target's
@@ -46,11 +46,13 @@ class DFlashConfig:
     # ---- training loss ---------------------------------------------------------------------
     position_decay: float = 4.0  # γ_w in w_k = exp(-(k-1)/γ_w) (DFlash: 4 for its block of 8)
 
+    json_algo = ALGO  # not a field: unannotated
+
     def __post_init__(self) -> None:
         # The backbone is DSpark's: validate the geometry by exactly DSpark's rules.
         self.backbone_geometry()
 
-    # ---- derived ---------------------------------------------------------------------------
+    # ---- derived (and num_context_layers = m, q_size, kv_size: DrafterConfigBase) -----------
 
     @property
     def algo(self) -> str:
@@ -59,18 +61,6 @@ class DFlashConfig:
     @property
     def block_len(self) -> int:  # inputs per block: x_0 + γ masks
         return self.block_size + 1
-
-    @property
-    def num_context_layers(self) -> int:  # m
-        return len(self.target_layer_ids)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     def backbone_geometry(self) -> DSparkConfig:
         """The same backbone as a DSparkConfig (raises ValueError on an invalid geometry)."""
@@ -83,16 +73,11 @@ class DFlashConfig:
     def from_target(cls, target: ModelConfig, **overrides: Any) -> DFlashConfig:
         """The target's geometry and DSpark's defaults (5 evenly spread target layers, the last
         vocabulary row as the mask), then `overrides`."""
-        check_fields(cls, overrides)
+        dspark = DSparkConfig.from_target(target)
         names = {f.name for f in dataclasses.fields(cls)}
-        defaults = DSparkConfig.from_target(target)
-        base: dict[str, Any] = {name: getattr(defaults, name) for name in names if hasattr(defaults, name)}
-        base["position_decay"] = cls.position_decay
-        base.update(overrides)
-        base["target_layer_ids"] = tuple(base["target_layer_ids"])
-        cfg = cls(**base)
-        cfg.check_target(target)
-        return cfg
+        defaults: dict[str, Any] = {name: getattr(dspark, name) for name in names if hasattr(dspark, name)}
+        defaults["position_decay"] = cls.position_decay
+        return config_for_target(cls, target, defaults=defaults, overrides=overrides)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> DFlashConfig:
@@ -105,21 +90,7 @@ class DFlashConfig:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
         self.backbone_geometry().check_target(target)
 
-    # ---- JSON (dspark/drafters/config_json.py) ---------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self, algo=ALGO)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        return config_from_dict(cls, d, algo=ALGO)
-
-    def to_json(self) -> str:
-        return config_to_json(self, algo=ALGO)
-
-    @classmethod
-    def from_json(cls, text: str) -> DFlashConfig:
-        return config_from_json(cls, text, algo=ALGO)
+    # JSON (to_dict / from_dict / to_json / from_json, tagged "algo": "dflash"): DrafterConfigBase
 
 
 __all__ = ["ALGO", "DFlashConfig"]

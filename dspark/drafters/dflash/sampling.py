@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.base import DraftProposal
+from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import logits_to_probs
 
 
@@ -44,7 +45,7 @@ def draw_tokens(
     if temperature == 0.0:
         return logits.float().argmax(dim=-1), None
     probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, V]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1), probs
+    return sample_categorical(probs, generator), probs
 
 
 def to_proposal(

@@ -51,24 +51,9 @@ class DFlashServingDrafter(DSparkServingDrafter):
         active = [i for i, r in enumerate(requests) if r.max_draft_tokens > 0]
         if not active:
             return out
-        anchors = []
-        for i in active:
-            req = requests[i]
-            t = len(req.token_ids) - 1  # the anchor's position
-            if self._lengths.get(req.request_id) != t:
-                raise RuntimeError(
-                    f"request {req.request_id!r}: the drafter has features of {self._lengths.get(req.request_id, 0)} "
-                    f"positions, the anchor sits at {t}; the engine must observe() every verified position"
-                )
-            anchors.append(t)
-        ids = [requests[i].request_id for i in active]
-        hidden = self.model.encode_with_context_kv(
-            anchor_positions=torch.tensor(anchors).unsqueeze(1),  # [n, 1]
-            anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active]).unsqueeze(1),  # [n, 1]
-            context_kv=self._batched_context_kv(ids, anchors),
-        )[:, 0, 1:]  # [n, γ, hidden]: the mask positions (the anchor's own output predicts nothing)
-        flat = hidden.reshape(-1, hidden.shape[-1])  # [n * γ, hidden]
-        logits = (self.logits_fn(flat) if self.logits_fn is not None else self.model.base_logits(flat)).view(*hidden.shape[:2], -1)
+        steps = max(requests[i].max_draft_tokens for i in active)  # the LM head runs only as far as some request drafts
+        hidden = self._encode_blocks(requests, active)[:, 1 : 1 + steps]  # [n, steps, hidden]: the masks (the anchor's own output predicts nothing)
+        logits = self._base_logits(hidden)  # [n, steps, V]
         vocab = logits.shape[-1]
         for row, i in enumerate(active):
             req = requests[i]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dspark.drafters.config_json import check_fields, check_shares_target, config_from_dict, config_from_json, config_to_dict, config_to_json
+from dspark.drafters.config_json import DrafterConfigBase, check_geometry, check_shares_target, config_for_target, target_geometry
 from dspark.model.config import ModelConfig
 
 HEAD_TYPES = ("markov", "rnn")
@@ -31,7 +31,7 @@ def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[in
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
+class DSparkConfig(DrafterConfigBase):
     # ---- shared with the target (embedding / LM head / RoPE) -------------------------------
     vocab_size: int
     hidden_size: int  # must equal the target's: the embedding and LM head are the target's
@@ -58,22 +58,9 @@ class DSparkConfig:
     position_decay: float = 4.0  # γ_w in w_k = exp(-(k-1)/γ_w)
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                    "intermediate_size", "num_layers", "block_size", "markov_rank")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        check_geometry(self, also_positive=("num_layers", "markov_rank"))
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
-        if not isinstance(self.target_layer_ids, tuple) or not self.target_layer_ids:
-            raise ValueError(f"target_layer_ids must be a non-empty tuple, got {self.target_layer_ids!r}")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids) < 0:
-            raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {self.target_layer_ids}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id must be in [0, {self.vocab_size}), got {self.mask_token_id}")
         for name in ("ce_weight", "tv_weight", "conf_weight"):
@@ -82,19 +69,7 @@ class DSparkConfig:
         if not self.position_decay > 0:
             raise ValueError(f"position_decay (γ_w) must be > 0, got {self.position_decay}")
 
-    # ---- derived ---------------------------------------------------------------------------
-
-    @property
-    def num_context_layers(self) -> int:  # m
-        return len(self.target_layer_ids)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    # derived: num_context_layers (m), q_size and kv_size come from DrafterConfigBase
 
     # ---- constructors ----------------------------------------------------------------------
 
@@ -105,33 +80,18 @@ class DSparkConfig:
         `mask_token_id` defaults to the last vocabulary row (any fixed row works: the mask
         embedding is frozen and the draft layers learn around it); override it when the
         tokenizer has a reserved unused token."""
-        base: dict[str, Any] = dict(
-            vocab_size=target.vocab_size,
-            hidden_size=target.hidden_size,
-            target_layer_ids=default_target_layer_ids(target.num_layers),
-            mask_token_id=target.vocab_size - 1,
-            num_heads=target.num_heads,
-            num_kv_heads=target.num_kv_heads,
-            head_dim=target.head_dim,
-            intermediate_size=target.intermediate_size,
-            rms_norm_eps=target.rms_norm_eps,
-            rope_theta=target.rope_theta,
-            rope_scaling=dict(target.rope_scaling) if target.rope_scaling else None,
-            qk_norm=target.qk_norm,
-        )
-        check_fields(cls, overrides)
-        base.update(overrides)
-        if "target_layer_ids" in overrides:
-            base["target_layer_ids"] = tuple(base["target_layer_ids"])
-        cfg = cls(**base)
-        cfg.check_target(target)
-        return cfg
+        defaults = {
+            **target_geometry(target),
+            "target_layer_ids": default_target_layer_ids(target.num_layers),
+            "mask_token_id": target.vocab_size - 1,
+        }
+        return config_for_target(cls, target, defaults=defaults, overrides=overrides)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> DSparkConfig:
         """For unit tests: matches `ModelConfig.tiny()` (vocab 256, hidden 64, 4 layers), γ = 4,
         rank 16, context from target layers (1, 3)."""
-        base: dict[str, Any] = dict(block_size=4, markov_rank=16, target_layer_ids=(1, 3))
+        base: dict[str, Any] = {"block_size": 4, "markov_rank": 16, "target_layer_ids": (1, 3)}
         base.update(overrides)
         return cls.from_target(ModelConfig.tiny(), **base)
 
@@ -139,18 +99,5 @@ class DSparkConfig:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
         check_shares_target(self.vocab_size, self.hidden_size, self.target_layer_ids, target)
 
-    # ---- JSON (dspark/drafters/config_json.py; no "algo" tag, as in the first checkpoints) --
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DSparkConfig:
-        return config_from_dict(cls, d)
-
-    def to_json(self) -> str:
-        return config_to_json(self)
-
-    @classmethod
-    def from_json(cls, text: str) -> DSparkConfig:
-        return config_from_json(cls, text)
+    # JSON (to_dict / from_dict / to_json / from_json; no "algo" tag, as in the first
+    # checkpoints): DrafterConfigBase

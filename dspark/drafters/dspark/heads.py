@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dspark.drafters.base import DraftProposal
+from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import logits_to_probs
 
 HeadState = torch.Tensor | None  # RNN: [n, r]; Markov: None (memoryless)
@@ -209,7 +210,7 @@ def sample_sequential(
             prev = logits.argmax(dim=-1)
         else:
             probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, V]
-            prev = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            prev = sample_categorical(probs, generator)  # [n]
             rows[:, k] = probs
         tokens[:, k] = prev
     if greedy:

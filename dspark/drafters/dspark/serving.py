@@ -52,7 +52,7 @@ class DSparkServingDrafter:
         self._lengths: dict[str, int] = {}
 
     @classmethod
-    def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> "DSparkServingDrafter":
+    def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DSparkServingDrafter:
         ckpt = load_checkpoint(path, shared=SharedWeights.from_target(target))
         ckpt.drafter.config.check_target(target.config)
         # The shared LM head through the target's prepacked GEMM: 4x faster than a plain fp32
@@ -108,12 +108,10 @@ class DSparkServingDrafter:
 
     # ---- one round -------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
-        out = [DraftProposal.empty() for _ in requests]
-        active = [i for i, r in enumerate(requests) if r.max_draft_tokens > 0]
-        if not active:
-            return out
+    def _encode_blocks(self, requests: list[DraftRequest], active: list[int]) -> torch.Tensor:
+        """One backbone forward over the blocks anchored at the last token of each of
+        `requests[i] for i in active`: [n, block_len, hidden]. Each request's context cache must
+        hold exactly the positions before its anchor (RuntimeError otherwise)."""
         anchors = []
         for i in active:
             req = requests[i]
@@ -125,20 +123,36 @@ class DSparkServingDrafter:
                 )
             anchors.append(t)
         ids = [requests[i].request_id for i in active]
-        hidden = self.model.encode_with_context_kv(
+        return self.model.encode_with_context_kv(
             anchor_positions=torch.tensor(anchors).unsqueeze(1),  # [n, 1]
             anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active]).unsqueeze(1),  # [n, 1]
             context_kv=self._batched_context_kv(ids, anchors),
-        )[:, 0]  # [n, γ, hidden]
-        if self.logits_fn is not None:
-            base_logits = self.logits_fn(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:2], -1)  # [n, γ, V]
-        else:
-            base_logits = self.model.base_logits(hidden)  # [n, γ, V]
+        )[:, 0]  # [n, block_len, hidden]
+
+    def _base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [n, k, hidden] -> U [n, k, V] through the shared LM head
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [n * k, hidden]
+        logits = self.logits_fn(flat) if self.logits_fn is not None else self.model.base_logits(flat)
+        return logits.view(*hidden.shape[:2], -1)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = [DraftProposal.empty() for _ in requests]
+        active = [i for i, r in enumerate(requests) if r.max_draft_tokens > 0]
+        if not active:
+            return out
+        # The backbone sees the whole block (attention within it is bidirectional); the LM head and
+        # the sequential head, most of a round's cost, run only as far as some request will draft.
+        steps = max(requests[i].max_draft_tokens for i in active)
+        hidden = self._encode_blocks(requests, active)[:, :steps]  # [n, steps, hidden]: DSpark's block is [x_0, mask × (γ-1)]
+        base_logits = self._base_logits(hidden)  # [n, steps, V]
         for row, i in enumerate(active):
             req = requests[i]
+            # this request's own k, not the batch's: its generator must not depend on its neighbours
+            k = req.max_draft_tokens
             sample = sample_sequential(
-                base_logits=base_logits[row : row + 1],
-                hidden=hidden[row : row + 1],
+                base_logits=base_logits[row : row + 1, :k],
+                hidden=hidden[row : row + 1, :k],
                 anchor_tokens=torch.tensor([req.token_ids[-1]]),
                 head=self.model.head,
                 confidence_head=self.model.confidence_head,
@@ -147,7 +161,7 @@ class DSparkServingDrafter:
                 top_p=self.top_p,
                 generator=req.generator,
             )
-            logits = sample.confidence_logits[0]  # [γ]
-            conf = apply_temperatures(logits, self.temperatures) if self.temperatures is not None else torch.sigmoid(logits)
-            out[i] = sample.proposal(0, num_tokens=req.max_draft_tokens, confidences=conf)
+            logits = sample.confidence_logits[0]  # [k]
+            conf = apply_temperatures(logits, self.temperatures[:k]) if self.temperatures is not None else torch.sigmoid(logits)
+            out[i] = sample.proposal(0, confidences=conf)
         return out

@@ -19,14 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dspark.drafters.config_json import check_fields, check_shares_target, config_from_dict, config_from_json, config_to_dict, config_to_json
+from dspark.drafters.config_json import DrafterConfigBase, check_geometry, check_shares_target, config_for_target, target_geometry
 from dspark.model.config import ModelConfig
 
 ALGO = "eagle3"
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
+class Eagle3Config(DrafterConfigBase):
     # ---- shared with the target (embedding / LM head / RoPE) -------------------------------
     vocab_size: int
     hidden_size: int  # must equal the target's: the embedding and LM head are the target's
@@ -44,39 +44,18 @@ class Eagle3Config:
     block_size: int = 7  # γ: TTT unroll horizon in training, draft tokens per round in serving
     step_decay: float = 0.8  # step j's loss weight step_decay^(j-1) (EAGLE-3)
 
+    json_algo = ALGO  # not a field: unannotated
+
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "block_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if not isinstance(self.target_layer_ids, tuple) or not self.target_layer_ids:
-            raise ValueError(f"target_layer_ids must be a non-empty tuple, got {self.target_layer_ids!r}")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids) or min(self.target_layer_ids) < 0:
-            raise ValueError(f"target_layer_ids must be distinct non-negative layer indices, got {self.target_layer_ids}")
+        check_geometry(self)
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
 
-    # ---- derived ---------------------------------------------------------------------------
+    # ---- derived (and num_context_layers = m fused layers, q_size, kv_size: DrafterConfigBase) -
 
     @property
     def algo(self) -> str:
         return ALGO
-
-    @property
-    def num_context_layers(self) -> int:  # m, the fused target layers
-        return len(self.target_layer_ids)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     # ---- constructors ----------------------------------------------------------------------
 
@@ -86,25 +65,8 @@ class Eagle3Config:
         layers the runtime captures by default, then `overrides`."""
         from dspark.model.target_runtime import default_capture_layers
 
-        base: dict[str, Any] = {
-            "vocab_size": target.vocab_size,
-            "hidden_size": target.hidden_size,
-            "target_layer_ids": default_capture_layers(target.num_layers),
-            "num_heads": target.num_heads,
-            "num_kv_heads": target.num_kv_heads,
-            "head_dim": target.head_dim,
-            "intermediate_size": target.intermediate_size,
-            "rms_norm_eps": target.rms_norm_eps,
-            "rope_theta": target.rope_theta,
-            "rope_scaling": dict(target.rope_scaling) if target.rope_scaling else None,
-            "qk_norm": target.qk_norm,
-        }
-        check_fields(cls, overrides)
-        base.update(overrides)
-        base["target_layer_ids"] = tuple(base["target_layer_ids"])
-        cfg = cls(**base)
-        cfg.check_target(target)
-        return cfg
+        defaults = {**target_geometry(target), "target_layer_ids": default_capture_layers(target.num_layers)}
+        return config_for_target(cls, target, defaults=defaults, overrides=overrides)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> Eagle3Config:
@@ -118,21 +80,7 @@ class Eagle3Config:
         """Raise if this drafter cannot run on `target` (shared embedding / LM head / layers)."""
         check_shares_target(self.vocab_size, self.hidden_size, self.target_layer_ids, target)
 
-    # ---- JSON (dspark/drafters/config_json.py) ---------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return config_to_dict(self, algo=ALGO)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Eagle3Config:
-        return config_from_dict(cls, d, algo=ALGO)
-
-    def to_json(self) -> str:
-        return config_to_json(self, algo=ALGO)
-
-    @classmethod
-    def from_json(cls, text: str) -> Eagle3Config:
-        return config_from_json(cls, text, algo=ALGO)
+    # JSON (to_dict / from_dict / to_json / from_json, tagged "algo": "eagle3"): DrafterConfigBase
 
 
 __all__ = ["ALGO", "Eagle3Config"]

@@ -1,0 +1,56 @@
+"""A serving drafter inside the speculative engine: the checks every drafter's tests run (greedy
+output equals plain decoding, sampled output has exactly the target's distribution, the drafter's
+per-request state follows the verified positions), built on tests/distribution_checks.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
+from dspark.sampling.params import SamplingParams
+from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def totals(states) -> tuple[int, int]:
+    """(draft tokens proposed, draft tokens accepted) over the finished requests."""
+    return sum(s.draft_tokens for s in states), sum(s.accepted_tokens for s in states)
+
+
+def greedy_plain_and_speculative(runtime, drafter, prompts: list[list[int]], *, max_tokens: int = 24):
+    """The finished states of greedy decoding of `prompts`, without a drafter and with `drafter` (γ = 4)."""
+    plain = SpeculativeEngine(runtime, None).generate(
+        [GenerationRequest(f"p{i}", p, max_tokens, GREEDY) for i, p in enumerate(prompts)])
+    spec = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4).generate(
+        [GenerationRequest(f"s{i}", p, max_tokens, GREEDY) for i, p in enumerate(prompts)])
+    return plain, spec
+
+
+def assert_sampling_is_lossless(runtime, drafter, *, num_samples: int, prompt=(3, 1, 4, 1, 5), num_tokens: int = 3) -> None:
+    """Sample `num_samples` seeded continuations (temperature 1, γ = 2) with `drafter`: drafts were
+    made and some but not all accepted (so the test is not vacuous), and the first `num_tokens`
+    tokens pass a chi-square test against the target's exact distribution."""
+    prompt = list(prompt)
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=2)
+    states = engine.generate([
+        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
+    ])
+    drafted, accepted = totals(states)
+    assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
+    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
+    p_value = chi_square_pvalue(samples, exact, num_samples)
+    assert p_value > 1e-3, p_value
+
+
+def steps_of_one_request(runtime, drafter, *, steps: int = 4) -> Iterator[RequestState]:
+    """Greedy request "a" (prompt 5..9) through `steps` engine steps with `drafter` (γ = 4),
+    yielding its state after each step; once the steps are consumed it is aborted."""
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4)
+    engine.add_request(GenerationRequest("a", [5, 6, 7, 8, 9], 30, GREEDY))
+    for _ in range(steps):
+        engine.step()
+        yield engine.running["a"]
+    engine.abort("a")
