@@ -20,7 +20,8 @@ can be given as an environment variable. This module imports nothing heavy (no t
 Two keys hold secrets (`ServingConfig.secret_keys()`): gateway.api_keys and rpc.auth_token.
 They are hidden from repr, and in Kubernetes they come from Secrets, not from the ConfigMap.
 API keys are stored as SHA-256 hashes: plain keys given here are hashed when the section is
-built, so no plain key is kept or written out (`to_json`).
+built, so no plain key is kept or written out (`to_json`). rpc.tls_key_path is no secret: it
+only says where the TLS key lies (a mounted Secret's file).
 """
 
 from __future__ import annotations
@@ -157,6 +158,9 @@ class GatewaySection:
     header_timeout_s: float = 10.0  # a request line and headers must arrive within this
     body_timeout_s: float = 30.0  # a request body must arrive within this once its headers are in
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # a response its client takes nothing of (the server's write buffer stays full) for this long:
+    # the connection is cut and the request cancelled, as if the client had left
+    slow_reader_timeout_s: float = 30.0
     max_header_bytes: int = 16384  # request line + headers; beyond it the request is a 400
     # Request limits (gateway/guard.py, gateway/rate_limit.py). "Per client": per API key, or per
     # client address when no keys are configured. In Redis (distributed mode) when redis.url is set.
@@ -183,7 +187,7 @@ class GatewaySection:
         _check(self.max_tokens_limit >= 1, f"gateway.max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         _check(self.max_connections >= 1, f"gateway.max_connections must be >= 1, got {self.max_connections}")
         _check(self.max_header_bytes >= 1024, f"gateway.max_header_bytes must be >= 1024, got {self.max_header_bytes}")
-        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s", "slow_reader_timeout_s"):
             _check(getattr(self, name) > 0, f"gateway.{name} must be > 0, got {getattr(self, name)}")
 
 
@@ -196,7 +200,7 @@ class RedisSection:
 
 @dataclass(frozen=True)
 class RpcSection:
-    """gRPC deadlines and limits, for every client call between the services."""
+    """gRPC deadlines, limits and security (token, mutual TLS) of the calls between the services."""
 
     deadline_s: float = 10.0  # control calls: add / remove requests, info, health, stats
     draft_deadline_s: float = 60.0  # one Draft round (the whole stream)
@@ -207,12 +211,20 @@ class RpcSection:
     # shared secret of the internal calls (services/grpc_auth.py): sent as `authorization: Bearer`,
     # required by every service but health; "" = none (`dspark up` then makes one for its children)
     auth_token: str = field(default="", repr=False, metadata=SECRET)
+    # mutual TLS of the internal calls (services/grpc_tls.py): PEM files, all three or none; "" = plaintext (h2c)
+    tls_ca_path: str = ""  # CA bundle: servers accept only clients, clients only servers, with a certificate it signed
+    tls_cert_path: str = ""  # this process's certificate (chain), presented as server and as client
+    tls_key_path: str = ""  # its private key, unencrypted (a file only the service can read: a Secret)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "auth_token":
+            if not isinstance(value, str):
                 _check(value > 0, f"rpc.{f.name} must be > 0, got {value}")
+        tls = {name: getattr(self, name) for name in ("tls_ca_path", "tls_cert_path", "tls_key_path")}
+        given = [f"rpc.{name}" for name, value in tls.items() if value]
+        _check(len(given) in (0, len(tls)), "rpc.tls_ca_path, rpc.tls_cert_path and rpc.tls_key_path go together "
+                                            f"(mutual TLS): set all three or none, got only {given}")
         token = self.auth_token
         _check(not token or (len(token) >= MIN_TOKEN_CHARS and token.isascii() and token.isprintable() and " " not in token),
                f"rpc.auth_token must be at least {MIN_TOKEN_CHARS} printable ASCII characters without spaces "

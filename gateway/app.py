@@ -16,7 +16,8 @@ event carries `id: <request id>/<event id>/<chunk>`, and a client that reconnect
 `Last-Event-ID` (same endpoint, `stream: true`) gets the rest of the same response, on any
 replica. A client that disconnects, or a stop string that ends the text, cancels the generation
 on the bus. Every 4xx/5xx body is OpenAI's `{"error": {message, type, param, code}}`; bad input
-never reaches a scheduler.
+never reaches a scheduler. A bus that cannot be reached (Redis down) is a 503 with Retry-After
+for every request that needs it, resumes included (gateway/errors.py `bus_unavailable`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dspark.bus.base import Bus, BusFull, DuplicateRequest, UnknownRequest
+from dspark.bus.base import Bus, BusFull, BusUnavailable, DuplicateRequest, UnknownRequest
 from dspark.bus.messages import BusRequest, OutputEvent
 from dspark.observability import tracing
 from dspark.observability.asgi import TelemetryMiddleware
 from dspark.observability.metrics import exposition, gateway_metrics
 from dspark.sampling.params import SamplingParams
+from dspark.serving_config import GatewaySection
 from gateway.api_keys import ApiKeys
-from gateway.errors import ApiError, error_body, error_json
+from gateway.errors import ApiError, bus_unavailable, error_body, error_json
 from gateway.guard import RequestGuard
 from gateway.openai_schema import (
     ERROR_RESPONSES,
@@ -127,10 +129,10 @@ def create_app(
     model_name: str,
     max_model_len: int,  # the model's context window: prompt + completion tokens
     vocab_size: int | None = None,  # token ids in a token-id prompt must be below it (None: the scheduler checks)
-    max_tokens_limit: int = 2048,
+    max_tokens_limit: int = GatewaySection.max_tokens_limit,
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
     max_prompt_tokens: int | None = None,  # None: the context window minus one
-    max_body_bytes: int = 1 << 20,
+    max_body_bytes: int = GatewaySection.max_body_bytes,
     api_keys: ApiKeys | Iterable[str] = (),  # plain keys or sha256:<hex> hashes (gateway/api_keys.py); empty: no authentication
     rate_limiter: RateLimiter | None = None,  # per-client limits (gateway/rate_limit.py); None: none
     accept_timeout_s: float | None = None,  # how long a request may wait for a scheduler to accept it
@@ -168,7 +170,12 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def _on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code), status_code=exc.status)
+        return JSONResponse(error_body(exc.message, type=exc.type, param=exc.param, code=exc.code), status_code=exc.status,
+                            headers=exc.headers)
+
+    @app.exception_handler(BusUnavailable)
+    async def _on_bus_unavailable(request: Request, exc: BusUnavailable) -> JSONResponse:
+        return await _on_api_error(request, bus_unavailable(exc))  # any bus call of any endpoint: 503, not 500
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -234,8 +241,8 @@ def create_app(
             raise ApiError(503, f"the server is overloaded: {e}; retry later", type="server_error", code="overloaded") from None
         except DuplicateRequest as e:  # uuid4 ids: practically never
             raise ApiError(409, str(e)) from None
-        except (ConnectionError, OSError) as e:
-            raise ApiError(503, f"the request bus is unavailable: {e}", type="server_error") from None
+        except OSError as e:  # BusUnavailable, or a bus of another kind losing its connection
+            raise bus_unavailable(e) from None
 
     async def cancel_quietly(request_id: str, events: AsyncIterator[OutputEvent] | None = None) -> None:
         """Cancel on the bus and close the tail, even while the caller is being cancelled."""
@@ -342,6 +349,8 @@ def create_app(
                 yield f"data: {error_json(ApiError(400, 'Last-Event-ID names no event of this response', code='invalid_last_event_id'))}\n\n"
         except UnknownRequest as e:
             yield f"data: {error_json(ApiError(404, str(e), code='request_not_found'))}\n\n"
+        except BusUnavailable as e:  # the bus went away mid-stream (after the tail's retries): resume later
+            yield f"data: {error_json(bus_unavailable(e))}\n\n"
         except Exception as e:  # headers are out: report in-band, as OpenAI does
             log.exception("streaming %s failed", spec.request_id)
             yield f"data: {error_json(ApiError(500, str(e), type='server_error'))}\n\n"

@@ -87,6 +87,7 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from gateway.connection_limits import uvicorn_config
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = with_config_defaults(args)
     try:
         # connection and request limits, API keys: the config file and DSPARK_GATEWAY_* variables; flags override
         limits = ServingConfig.load(args.config).gateway
@@ -117,17 +118,32 @@ def _given(flag, configured):
     return configured if flag is None else flag
 
 
+def with_config_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with --model, --host and --port, where not given, set to their serving-config defaults
+    (dspark/serving_config.py: the one source of them; the limits fall back to the loaded config)."""
+    from dspark.serving_config import ServingConfig
+
+    defaults = ServingConfig()
+    return argparse.Namespace(**{**vars(args), "model": _given(args.model, defaults.model.name),
+                                 "host": _given(args.host, defaults.gateway.host), "port": _given(args.port, defaults.gateway.port)})
+
+
 def add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     """Register `dspark gateway` and `dspark hash-key` on the CLI's subparsers."""
+    from dspark.serving_config import ServingConfig
+
+    defaults = ServingConfig()
     g = sub.add_parser("gateway", help="the OpenAI-compatible gateway alone, over the Redis bus (distributed mode)")
     g.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
                    help=f"Redis URL of the bus (env {REDIS_URL_ENV}; default {DEFAULT_REDIS_URL})")
     g.add_argument("--bus-prefix", default="dspark", help="key prefix of the bus in Redis (one per deployment)")
-    g.add_argument("--model", default="smollm2-135m-instruct", help="default model name or a local HF directory (tokenizer + config)")
+    g.add_argument("--model", default=None,
+                   help="default model name or a local HF directory, tokenizer + config (default: model.name, "
+                        f"{defaults.model.name})")
     g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
     g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model config's)")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=None, help=f"interface to listen on (default: gateway.host, {defaults.gateway.host})")
+    g.add_argument("--port", type=int, default=None, help=f"port to listen on (default: gateway.port, {defaults.gateway.port})")
     g.add_argument("--config", default=None, help="serving configuration file, for the gateway section (default: $DSPARK_CONFIG)")
     g.add_argument("--api-key", action="append", default=None,
                    help="accepted API key or its sha256:<hex> hash (repeatable; default: config gateway.api_keys "

@@ -16,6 +16,24 @@ uvicorn's h11 protocol with
   * a cap on open connections, `max_connections`: a request on a connection beyond it is answered
     503 (OpenAI's error body, `connection: close`) without reaching the app, so requests already
     running keep their slots and finish; only the probes (/live, /health) are still answered.
+  * a write deadline for slow readers, `slow_reader_timeout_s`: see below.
+
+Slow readers. A client that opens a stream (`stream: true`) and never reads it costs no unbounded
+memory: uvicorn stops writing once the transport's buffer passes its high-water mark (64 KiB,
+`pause_writing`) and its `send` awaits the drain, so the SSE generator stops at its next `yield`
+(the generation itself ends at max_tokens, its output held by the bus). But nothing ever ends
+that wait: the request's handler, its connection, its per-key concurrency slot and its bus tail
+are held for as long as the client keeps the socket open. So a connection whose transport stays
+paused for `slow_reader_timeout_s` (the client did not take enough to bring the buffer below its
+low-water mark, 16 KiB: about 48 KiB) is aborted: `abort()`, not `close()`, which would wait for
+the buffer to drain; the app then sees http.disconnect, exactly as when the client leaves, and
+the gateway cancels the generation on the bus (gateway/app.py). A client that reads restarts the
+clock each time the buffer drains (at 30 s, any client faster than about 2 KB/s is never cut).
+Before that, the kernel's socket buffer absorbs what the client does not read, and Linux grows it
+to megabytes (on loopback a whole response fits, and the wait never begins): with
+TCP_NOTSENT_LOWAT the kernel holds at most UNSENT_BYTES not yet sent, so a stalled client fills
+the transport's buffer (and starts this deadline) after about 100 KB, not after megabytes. (Sent
+but unacknowledged data stays bounded by the client's receive window.)
 All limits live in dspark/serving_config.py's gateway section; `uvicorn_config` is the one place
 that turns them into a server configuration (`dspark serve` and `dspark gateway` both use it).
 """
@@ -25,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import socket
 
 import h11
 import uvicorn
@@ -36,6 +55,21 @@ from gateway.errors import error_body
 __all__ = ["LimitedH11Protocol", "uvicorn_config"]
 
 PROBE_PATHS = frozenset({"/live", "/health"})  # answered even beyond the connection cap
+UNSENT_BYTES = 16384  # TCP_NOTSENT_LOWAT: unsent bytes the kernel may hold per connection (module docstring)
+
+
+def _bound_unsent_bytes(transport: asyncio.Transport) -> None:
+    """Let the kernel hold at most UNSENT_BYTES not yet sent on this connection (Linux, macOS), so
+    that a client that stops reading fills the transport's buffer, where it is seen, within about
+    100 KB. Elsewhere, or on a Unix socket, the kernel's own limit stays (the deadline then starts later)."""
+    sock = transport.get_extra_info("socket")
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if sock is None or option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, UNSENT_BYTES)
+    except OSError:  # an old kernel: the default holds
+        pass
 
 
 def _json_response(status: int, reason: str, message: str, *, type: str, code: str) -> bytes:
@@ -93,11 +127,13 @@ class LimitedH11Protocol(H11Protocol):
         self._phase: str | None = None  # "headers" | "body" | None: what the running deadline waits for
         self._deadline: asyncio.TimerHandle | None = None
         self._received_any = False  # whether the request now awaited has sent a byte (else a timeout closes silently)
+        self._slow_reader: asyncio.TimerHandle | None = None  # runs while the transport's write buffer is full
 
     # ---- the asyncio.Protocol interface ----
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        _bound_unsent_bytes(transport)
         if len(self.connections) > self.limits.max_connections:
             self.app = _too_many_connections_app(self.app, self.limits.max_connections)  # this connection only
         self._start("headers")
@@ -109,7 +145,19 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop()
+        self._stop_slow_reader_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """The write buffer passed its high-water mark: the client takes less than we send."""
+        super().pause_writing()
+        if self._slow_reader is None:
+            self._slow_reader = self.loop.call_later(self.limits.slow_reader_timeout_s, self._on_slow_reader)
+
+    def resume_writing(self) -> None:
+        """The buffer drained below its low-water mark: the client reads."""
+        super().resume_writing()
+        self._stop_slow_reader_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # may start the next pipelined request
@@ -168,6 +216,22 @@ class LimitedH11Protocol(H11Protocol):
         self.logger.info("closing a connection from %s: its request %s took longer than allowed", self.client, phase)
         # the app (if it runs) sees http.disconnect from connection_lost, which the close triggers
         self.transport.close()
+
+    # ---- slow readers ----
+
+    def _stop_slow_reader_deadline(self) -> None:
+        if self._slow_reader is not None:
+            self._slow_reader.cancel()
+            self._slow_reader = None
+
+    def _on_slow_reader(self) -> None:
+        self._slow_reader = None
+        self.logger.info("closing a connection from %s: it took none of its response for %g s (%d bytes waiting)",
+                         self.client, self.limits.slow_reader_timeout_s, self.transport.get_write_buffer_size())
+        # abort, not close: close() would wait for the client to take the buffered bytes (also
+        # when uvicorn has already closed this connection after a complete response). The app
+        # sees http.disconnect from connection_lost, and the gateway cancels the generation.
+        self.transport.abort()
 
 
 def uvicorn_config(app, *, limits: GatewaySection, host: str | None = None, port: int | None = None,

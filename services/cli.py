@@ -34,6 +34,7 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from services.healthcheck import add_healthcheck_arguments
 from services.supervisor import Child, Supervisor
 
 __all__ = ["add_service_parsers", "cmd_drafter", "cmd_scheduler", "cmd_up", "cmd_verifier", "config_from_args"]
@@ -221,6 +222,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
     from dspark.serving_config import ServingConfig
     from services.grpc_common import wait_until_serving
+    from services.grpc_tls import load_tls
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -228,6 +230,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         zero = [s for s in ("verifier", "drafter", "scheduler", "gateway") if getattr(config, s).port == 0]
         if zero:
             raise ValueError(f"`dspark up` needs fixed ports (the services dial each other), got port 0 for {zero}")
+        tls = load_tls(config.rpc)  # the children's mutual TLS (rpc.tls_*): `up` checks health with it
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -250,10 +253,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         try:
             verifier = start("verifier", service("verifier"))
             drafter = start("drafter", service("drafter"))
-            wait_until_serving(config.verifier.dial, VERIFIER_SERVICE, timeout=timeout, alive=lambda: verifier.poll() is None)
-            wait_until_serving(config.drafter.dial, DRAFTER_SERVICE, timeout=timeout, alive=lambda: drafter.poll() is None)
+            wait_until_serving(config.verifier.dial, VERIFIER_SERVICE, timeout=timeout, alive=lambda: verifier.poll() is None,
+                               tls=tls)
+            wait_until_serving(config.drafter.dial, DRAFTER_SERVICE, timeout=timeout, alive=lambda: drafter.poll() is None,
+                               tls=tls)
             scheduler = start("scheduler", service("scheduler"))
-            wait_until_serving(config.scheduler.dial, SCHEDULER_SERVICE, timeout=timeout, alive=lambda: scheduler.poll() is None)
+            wait_until_serving(config.scheduler.dial, SCHEDULER_SERVICE, timeout=timeout, alive=lambda: scheduler.poll() is None,
+                               tls=tls)
             gateway_cmd = _gateway_command(config, path)
             if gateway_cmd is not None:
                 gateway = start("gateway", gateway_cmd)
@@ -280,7 +286,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def add_service_parsers(sub: argparse._SubParsersAction) -> None:
-    """Register `dspark verifier | drafter | scheduler | up` on the CLI's subparsers."""
+    """Register `dspark verifier | drafter | scheduler | up | healthcheck` on the CLI's subparsers
+    (`dspark healthcheck` itself runs without them: dspark/cli.py's main, services/healthcheck.py)."""
     v = sub.add_parser("verifier", help="gRPC verifier service: target model, KV caches, rejection sampler, SPS(B)")
     _add_common(v)
     _add_model(v)
@@ -319,3 +326,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--redis", default=None, help="Redis URL of the bus: also starts the HTTP gateway (config: redis.url)")
     u.add_argument("--gateway-port", type=int, default=None)
     u.set_defaults(func=cmd_up)
+
+    h = sub.add_parser("healthcheck", help="one grpc.health.v1 Check with the services' TLS configuration: exit 0 when SERVING "
+                                           "(an exec probe under mutual TLS)")
+    add_healthcheck_arguments(h)

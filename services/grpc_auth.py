@@ -2,7 +2,7 @@
 
     server = grpc.server(executor, interceptors=[TokenAuthInterceptor(token)])      # sync services
     server = grpc.aio.server(interceptors=[AsyncTokenAuthInterceptor(token)])       # the scheduler
-    channel = authenticated_channel(grpc.insecure_channel(address), token)          # every client
+    channel = authenticated_channel(open_channel(address, tls), token)              # every client
 
 The token is `rpc.auth_token` of the serving configuration (DSPARK_RPC_AUTH_TOKEN; a Kubernetes
 Secret; `dspark up` makes a random one for its children when none is configured). Clients send
@@ -12,9 +12,10 @@ and a message, before its request is even deserialised. Our services and server 
 the token; grpc.health.v1 stays open, because the kubelet's gRPC probes cannot send metadata
 (and health says nothing but SERVING). An empty token turns the check off.
 
-The connection itself is plaintext (h2c): the token keeps strangers that can reach the port out,
-it does not hide the traffic. Across untrusted networks run the services behind mTLS (a service
-mesh such as Linkerd or Istio does it without code changes) in addition to the token.
+Without rpc.tls_* the connection itself is plaintext (h2c): the token keeps strangers that can
+reach the port out, it does not hide the traffic. Across untrusted networks turn on mutual TLS
+(rpc.tls_ca_path / tls_cert_path / tls_key_path, services/grpc_tls.py; or a service mesh such as
+Linkerd or Istio) in addition to the token: the token is checked the same way over TLS.
 """
 
 from __future__ import annotations

@@ -13,7 +13,9 @@ ServiceUnavailable, or ServiceError for the rest. A KVBudgetExceeded queues the 
 ServiceError (all three) is a PartFailure the engine recovers from (dspark/engine/faults.py).
 
 Both sides take `auth_token` (rpc.auth_token): servers then refuse every call but health without
-it (UNAUTHENTICATED), channels send it on every call (services/grpc_auth.py). Every channel and
+it (UNAUTHENTICATED), channels send it on every call (services/grpc_auth.py). Both take `tls`
+(services/grpc_tls.py, from rpc.tls_*): servers then listen with mutual TLS only, channels present
+the certificate and check the server's; None = plaintext. Every channel and
 server also carries the W3C trace context in the metadata, with CLIENT / SERVER spans while
 tracing is on (dspark/observability/grpc_tracing.py).
 """
@@ -36,11 +38,13 @@ from grpc_reflection.v1alpha import reflection
 from dspark.engine.faults import PartFailure
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.observability.grpc_tracing import ClientTracingInterceptor, ServerTracingInterceptor
+from dspark.protos.validate import ValidationError
 from services.grpc_auth import TokenAuthInterceptor, authenticated_channel, warn_if_exposed
+from services.grpc_tls import TlsCredentials, add_port, open_channel
 
 __all__ = [
     "DeadlineExceeded", "GrpcServer", "RpcAbort", "ServiceError", "ServiceUnavailable", "call", "channel_options", "check_health",
-    "create_server", "make_channel", "rpc_errors", "serve_until_signalled", "wait_until_serving",
+    "check_reply", "connect_client", "create_server", "make_channel", "rpc_errors", "serve_until_signalled", "wait_until_serving",
 ]
 
 log = logging.getLogger(__name__)
@@ -75,9 +79,11 @@ RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reco
                      ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
-def make_channel(address: str, *, max_message_mb: int = 512, auth_token: str = "") -> grpc.Channel:
-    """A channel to `address` whose calls carry `auth_token` (services/grpc_auth.py; "" = none)."""
-    channel = authenticated_channel(grpc.insecure_channel(address, options=channel_options(max_message_mb) + RECONNECT_OPTIONS),
+def make_channel(address: str, *, max_message_mb: int = 512, auth_token: str = "",
+                 tls: TlsCredentials | None = None) -> grpc.Channel:
+    """A channel to `address` whose calls carry `auth_token` (services/grpc_auth.py; "" = none),
+    over mutual TLS with `tls` (services/grpc_tls.py; None = plaintext)."""
+    channel = authenticated_channel(open_channel(address, tls, options=channel_options(max_message_mb) + RECONNECT_OPTIONS),
                                     auth_token)
     return grpc.intercept_channel(channel, ClientTracingInterceptor())  # trace context in the metadata (dspark/observability)
 
@@ -104,6 +110,35 @@ def call(method: Callable, request, *, timeout: float, where: str, wait_for_read
         raise translate_rpc_error(err, where=where, timeout=timeout) from None
 
 
+def connect_client(address: str, stub_class: Callable, info_request, *, service: str, connect_timeout_s: float,
+                   max_message_mb: int = 512, auth_token: str = "", tls: TlsCredentials | None = None,
+                   wire_bytes: grpc.UnaryUnaryClientInterceptor | None = None) -> tuple[grpc.Channel, object, object]:
+    """(channel, stub, GetInfo reply) of a client of `service` ("drafter", "verifier") at `address`:
+    a make_channel channel, counted by `wire_bytes` (services/wire_bytes.py) if given. GetInfo
+    waits for the server (wait_for_ready: one still loading its model) up to connect_timeout_s;
+    past that the channel is closed and ServiceUnavailable raised."""
+    channel = make_channel(address, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls)
+    if wire_bytes is not None:
+        channel = grpc.intercept_channel(channel, wire_bytes)
+    stub = stub_class(channel)
+    try:
+        info = call(stub.GetInfo, info_request, timeout=connect_timeout_s, where=f"{service} at {address}: GetInfo",
+                    wait_for_ready=True)
+    except DeadlineExceeded:
+        channel.close()
+        raise ServiceUnavailable(f"{service} at {address}: not reachable within {connect_timeout_s} s") from None
+    return channel, stub, info
+
+
+def check_reply(check: Callable[[], None], *, where: str) -> None:
+    """Run `check` (a dspark/protos/validate.py check of a reply); its ValidationError becomes a
+    ServiceError: a reply that cannot be trusted is the service's failure, not the request's."""
+    try:
+        check()
+    except ValidationError as e:
+        raise ServiceError(f"{where} sent an invalid reply: {e}") from None
+
+
 def check_health(channel: grpc.Channel, service: str = "", *, timeout: float = 5.0) -> bool:
     """True if the server answers SERVING for `service` ("" = the server as a whole)."""
     try:
@@ -114,11 +149,11 @@ def check_health(channel: grpc.Channel, service: str = "", *, timeout: float = 5
 
 
 def wait_until_serving(address: str, service: str = "", *, timeout: float, poll_s: float = 0.2,
-                       alive: Callable[[], bool] | None = None) -> None:
+                       alive: Callable[[], bool] | None = None, tls: TlsCredentials | None = None) -> None:
     """Block until `address` reports SERVING; TimeoutError after `timeout` s, RuntimeError as soon
-    as `alive()` (e.g. "the process still runs") turns False."""
+    as `alive()` (e.g. "the process still runs") turns False. `tls`: the servers' mutual TLS."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, tls) as channel:
         while True:
             if check_health(channel, service, timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
                 return
@@ -188,10 +223,12 @@ def create_server(
     max_message_mb: int = 512,
     max_workers: int = 8,
     auth_token: str = "",  # required of every call but health (services/grpc_auth.py); "" = none
+    tls: TlsCredentials | None = None,  # mutual TLS required of every connection (services/grpc_tls.py); None = plaintext
 ) -> GrpcServer:
     """Start a server on `bind` (host:port, port 0 = any free one) with our servicers, health
     (SERVING for "" and each service name) and reflection (our services + health + reflection)."""
-    warn_if_exposed(bind, auth_token, "/".join(service_names))
+    if tls is None:  # under mutual TLS only holders of a certificate of the CA connect at all
+        warn_if_exposed(bind, auth_token, "/".join(service_names))
     interceptors = [ServerTracingInterceptor()] + ([TokenAuthInterceptor(auth_token)] if auth_token else [])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=channel_options(max_message_mb),
                          interceptors=interceptors)
@@ -199,7 +236,7 @@ def create_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(service_names + (HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(bind)
+    port = add_port(server, bind, tls)
     if port == 0:
         raise OSError(f"could not bind a gRPC server to {bind}")
     server.start()

@@ -100,34 +100,32 @@ class _TracedStream:
         self._end(None)  # abandoned mid-stream: end the span without a status
 
 
+def _start_client_call(continuation, details: grpc.ClientCallDetails, request) -> tuple[object, trace.Span | None]:
+    """(the call, its CLIENT span, still open), or (the call untouched, None) while tracing is off
+    or no span is current. A call that fails to start ends its span UNKNOWN."""
+    if not tracing.enabled() or tracing.current_span_context() is None:
+        return continuation(details, request), None
+    method = details.method
+    span = tracing.tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_attributes(method))
+    with _current(span):
+        try:
+            return continuation(_with_trace_context(details), request), span
+        except BaseException:
+            _end_with_code(span, grpc.StatusCode.UNKNOWN)
+            raise
+
+
 class ClientTracingInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
     def intercept_unary_unary(self, continuation, client_call_details, request):
-        if not tracing.enabled() or tracing.current_span_context() is None:
-            return continuation(client_call_details, request)
-        method = client_call_details.method
-        span = tracing.tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_attributes(method))
-        with _current(span):
-            try:
-                outcome = continuation(_with_trace_context(client_call_details), request)
-            except BaseException:
-                _end_with_code(span, grpc.StatusCode.UNKNOWN)
-                raise
-        # A blocking call has completed here; a future one's span ends when it does.
-        outcome.add_done_callback(lambda call: _end_with_code(span, call.code(), call.details()))
+        outcome, span = _start_client_call(continuation, client_call_details, request)
+        if span is not None:
+            # A blocking call has completed here; a future one's span ends when it does.
+            outcome.add_done_callback(lambda call: _end_with_code(span, call.code(), call.details()))
         return outcome
 
     def intercept_unary_stream(self, continuation, client_call_details, request):
-        if not tracing.enabled() or tracing.current_span_context() is None:
-            return continuation(client_call_details, request)
-        method = client_call_details.method
-        span = tracing.tracer().start_span(method.lstrip("/"), kind=SpanKind.CLIENT, attributes=_attributes(method))
-        with _current(span):
-            try:
-                call = continuation(_with_trace_context(client_call_details), request)
-            except BaseException:
-                _end_with_code(span, grpc.StatusCode.UNKNOWN)
-                raise
-        return _TracedStream(call, span)
+        call, span = _start_client_call(continuation, client_call_details, request)
+        return call if span is None else _TracedStream(call, span)
 
 
 # ---- server ---------------------------------------------------------------------------------------

@@ -22,17 +22,9 @@ import torch
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.protos import convert, validate
 from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
-from dspark.protos.validate import ValidationError
 from dspark.sampling.params import SamplingParams
-from services.grpc_common import (
-    DeadlineExceeded,
-    ServiceError,
-    ServiceUnavailable,
-    call,
-    check_health,
-    make_channel,
-    translate_rpc_error,
-)
+from services.grpc_common import ServiceError, call, check_health, check_reply, connect_client, translate_rpc_error
+from services.grpc_tls import TlsCredentials
 from services.wire_bytes import WireBytes
 
 __all__ = ["RemoteDrafter"]
@@ -48,21 +40,16 @@ class RemoteDrafter:
         connect_timeout_s: float = 120.0,  # how long to wait for the server at construction
         max_message_mb: int = 512,
         auth_token: str = "",  # rpc.auth_token, sent on every call (services/grpc_auth.py)
+        tls: TlsCredentials | None = None,  # mutual TLS (services/grpc_tls.py: load_tls(config.rpc)); None = plaintext
         wire_bytes: WireBytes | None = None,  # counts the serialized bytes of every call (benchmarks)
     ):
         self.address = address
         self.deadline_s = deadline_s
         self.draft_deadline_s = draft_deadline_s
-        self._channel = make_channel(address, max_message_mb=max_message_mb, auth_token=auth_token)
-        if wire_bytes is not None:
-            self._channel = grpc.intercept_channel(self._channel, wire_bytes)
-        self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
-        try:  # wait_for_ready: a service still loading its model is waited for, up to connect_timeout_s
-            info = call(self._stub.GetInfo, drafter_pb2.GetDrafterInfoRequest(), timeout=connect_timeout_s,
-                        where=self._where("GetInfo"), wait_for_ready=True)
-        except DeadlineExceeded:
-            self._channel.close()
-            raise ServiceUnavailable(f"drafter at {address}: not reachable within {connect_timeout_s} s") from None
+        # waits up to connect_timeout_s for a service still loading its model
+        self._channel, self._stub, info = connect_client(
+            address, drafter_pb2_grpc.DrafterStub, drafter_pb2.GetDrafterInfoRequest(), service="drafter",
+            connect_timeout_s=connect_timeout_s, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls, wire_bytes=wire_bytes)
         self._check_reply(lambda: validate.drafter_info(info), "GetInfo")
         self.name: str = info.name
         self.needs_hidden_states: bool = info.needs_hidden_states
@@ -77,10 +64,7 @@ class RemoteDrafter:
         return f"drafter at {self.address}: {rpc}"
 
     def _check_reply(self, check, rpc: str) -> None:
-        try:
-            check()
-        except ValidationError as e:
-            raise ServiceError(f"{self._where(rpc)} sent an invalid reply: {e}") from None
+        check_reply(check, where=self._where(rpc))
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from dspark.protos import DRAFTER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving_config import ServingConfig
 from services.grpc_common import GrpcServer, RpcAbort, create_server, rpc_errors, serve_until_signalled
+from services.grpc_tls import TlsCredentials, load_tls
 
 __all__ = ["DrafterServicer", "build_drafter", "serve_drafter", "start_drafter_server"]
 
@@ -141,13 +142,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 def start_drafter_server(
     drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0, bind: str = "127.0.0.1:0", max_message_mb: int = 512,
-    auth_token: str = "",
+    auth_token: str = "", tls: TlsCredentials | None = None,
 ) -> GrpcServer:
     """Serve `drafter` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on;
-    every call but health needs `auth_token` when one is given."""
+    every call but health needs `auth_token` when one is given, every connection a client
+    certificate under `tls` (services/grpc_tls.py)."""
     servicer = DrafterServicer(drafter, vocab_size=vocab_size, hidden_size=hidden_size)
     return create_server(lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s), (DRAFTER_SERVICE,),
-                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token)
+                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls)
 
 
 def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
@@ -172,8 +174,9 @@ def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
 
 def serve_drafter(config: ServingConfig) -> None:
     """`dspark drafter`: build the drafter, serve until SIGTERM / Ctrl-C."""
+    tls = load_tls(config.rpc)  # a bad TLS file fails now, not after building the drafter
     drafter, vocab_size, hidden_size = build_drafter(config)
     server = start_drafter_server(drafter, vocab_size=vocab_size, hidden_size=hidden_size, bind=config.drafter.bind,
-                                  max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token)
+                                  max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token, tls=tls)
     log.info("drafter %s serving on %s:%d", config.drafter.name, config.drafter.host, server.port)
     serve_until_signalled(server)

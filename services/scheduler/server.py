@@ -44,6 +44,7 @@ from dspark.protos.validate import ValidationError
 from dspark.serving_config import ServingConfig
 from services.grpc_auth import AsyncTokenAuthInterceptor, warn_if_exposed
 from services.grpc_common import HEALTH_SERVICE, channel_options
+from services.grpc_tls import TlsCredentials, add_port, load_tls
 
 __all__ = [
     "SchedulerServer", "SchedulerServicer", "build_remote_engine", "build_remote_speculative_engine", "serve_scheduler",
@@ -62,15 +63,16 @@ def build_remote_speculative_engine(config: ServingConfig) -> SpeculativeEngine:
     from services.verifier.client import RemoteVerifier
 
     rpc = config.rpc
+    tls = load_tls(rpc)
     policy = parse_policy(config.scheduler.policy) if config.scheduler.policy else None
     verifier = RemoteVerifier(config.verifier.dial, deadline_s=rpc.deadline_s, verify_deadline_s=rpc.verify_deadline_s,
                               connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb,
-                              auth_token=rpc.auth_token)
+                              auth_token=rpc.auth_token, tls=tls)
     drafter = None
     if config.drafter.name != "none":
         drafter = RemoteDrafter(config.drafter.dial, deadline_s=rpc.deadline_s, draft_deadline_s=rpc.draft_deadline_s,
                                 connect_timeout_s=rpc.connect_timeout_s, max_message_mb=rpc.max_message_mb,
-                                auth_token=rpc.auth_token)
+                                auth_token=rpc.auth_token, tls=tls)
         if drafter.vocab_size != verifier.vocab_size:
             raise ValueError(f"the drafter at {drafter.address} serves a vocabulary of {drafter.vocab_size}, "
                              f"the verifier at {verifier.address} one of {verifier.vocab_size}: not the same model")
@@ -206,11 +208,13 @@ class SchedulerServer:
 
 
 def start_scheduler_server(engine: AsyncEngine, *, bind: str = "127.0.0.1:0", max_message_mb: int = 512,
-                           auth_token: str = "") -> SchedulerServer:
+                           auth_token: str = "", tls: TlsCredentials | None = None) -> SchedulerServer:
     """Serve the Scheduler API over a started AsyncEngine on `bind` (port 0: any free port), with
     health (SERVING) and reflection, on a new thread with its own event loop; every call but
-    health needs `auth_token` when one is given (services/grpc_auth.py)."""
-    warn_if_exposed(bind, auth_token, SCHEDULER_SERVICE)
+    health needs `auth_token` when one is given (services/grpc_auth.py), every connection a
+    client certificate under `tls` (services/grpc_tls.py)."""
+    if tls is None:  # under mutual TLS only holders of a certificate of the CA connect at all
+        warn_if_exposed(bind, auth_token, SCHEDULER_SERVICE)
     loop = asyncio.new_event_loop()
     started: dict = {}
     ready = threading.Event()
@@ -224,7 +228,7 @@ def start_scheduler_server(engine: AsyncEngine, *, bind: str = "127.0.0.1:0", ma
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection((SCHEDULER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(bind)
+        port = add_port(server, bind, tls)
         await server.start()
         for name in ("", SCHEDULER_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -271,12 +275,13 @@ def serve_scheduler(config: ServingConfig) -> None:
     """`dspark scheduler`: connect to the verifier and drafter, serve until SIGTERM / Ctrl-C."""
     import signal
 
-    engine = build_remote_engine(config)
+    engine = build_remote_engine(config)  # its clients load rpc.tls_* first: a bad file fails before any dialling
+    tls = load_tls(config.rpc)  # the same files, for the server
     worker = _start_bus_worker(engine, config)
     metrics_port = config.observability.metrics_port
     metrics_server = start_metrics_server(metrics_port, host=config.scheduler.host) if metrics_port else None
     server = start_scheduler_server(engine, bind=config.scheduler.bind, max_message_mb=config.rpc.max_message_mb,
-                                    auth_token=config.rpc.auth_token)
+                                    auth_token=config.rpc.auth_token, tls=tls)
     log.info("scheduler serving on %s:%d (verifier %s, drafter %s, gamma %d, policy %s)", config.scheduler.host, server.port,
              config.verifier.dial, config.drafter.dial, config.scheduler.gamma, config.scheduler.policy or "all drafts")
     stop = threading.Event()

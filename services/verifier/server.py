@@ -29,6 +29,7 @@ from dspark.sampling import DraftProbs
 from dspark.sampling.params import SamplingParams
 from dspark.serving_config import ServingConfig
 from services.grpc_common import GrpcServer, RpcAbort, create_server, rpc_errors, serve_until_signalled
+from services.grpc_tls import TlsCredentials, load_tls
 
 __all__ = ["VerifierServicer", "build_local_verifier", "serve_verifier", "start_verifier_server", "warm_up"]
 
@@ -91,13 +92,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def start_verifier_server(
-    verifier: LocalVerifier, *, bind: str = "127.0.0.1:0", model: str = "", max_message_mb: int = 512, auth_token: str = ""
+    verifier: LocalVerifier, *, bind: str = "127.0.0.1:0", model: str = "", max_message_mb: int = 512, auth_token: str = "",
+    tls: TlsCredentials | None = None,
 ) -> GrpcServer:
     """Serve `verifier` on `bind` (port 0: a free port, see `.port`), health SERVING, reflection on;
-    every call but health needs `auth_token` when one is given."""
+    every call but health needs `auth_token` when one is given, every connection a client
+    certificate under `tls` (services/grpc_tls.py)."""
     servicer = VerifierServicer(verifier, model=model)
     return create_server(lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s), (VERIFIER_SERVICE,),
-                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token)
+                         bind=bind, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls)
 
 
 def warm_up(verifier: LocalVerifier) -> float:
@@ -138,9 +141,10 @@ def build_local_verifier(config: ServingConfig) -> LocalVerifier:
 
 def serve_verifier(config: ServingConfig) -> None:
     """`dspark verifier`: load, profile, serve until SIGTERM / Ctrl-C."""
+    tls = load_tls(config.rpc)  # a bad TLS file fails now, not after loading the model
     verifier = build_local_verifier(config)
     server = start_verifier_server(verifier, bind=config.verifier.bind, model=config.model.name,
-                                   max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token)
+                                   max_message_mb=config.rpc.max_message_mb, auth_token=config.rpc.auth_token, tls=tls)
     log.info("verifier serving %s on %s:%d (vocab %d, context %d, KV budget %d tokens, captures layers %s)",
              config.model.name, config.verifier.host, server.port, verifier.vocab_size, verifier.max_model_len,
              verifier.kv_budget_tokens, list(verifier.capture_layers))

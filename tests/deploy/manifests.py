@@ -36,6 +36,7 @@ KUSTOMIZATIONS = {  # what `kubectl apply -k` is pointed at
     "base": K8S_DIR,
     "gpu": K8S_DIR / "overlays" / "gpu",
     "cpu-local": K8S_DIR / "overlays" / "cpu-local",
+    "mtls": K8S_DIR / "overlays" / "mtls",  # the base with components/mtls
 }
 DSPARK_SERVICES = ("gateway", "scheduler", "drafter", "verifier")  # the pods that run the dspark image
 
@@ -162,6 +163,20 @@ def resolve_port(port: int | str, container: Obj) -> int:
     ports = container_ports(container)
     assert port in ports, f"container {container['name']} has no port named {port!r} (it has {sorted(ports)})"
     return ports[port]
+
+
+def probed_grpc_port(probe: Obj) -> int:
+    """The port whose grpc.health.v1 service a probe checks: the kubelet's own (`grpc:`), or an
+    exec of `dspark healthcheck --target 127.0.0.1:PORT` (parsed by its real parser)."""
+    if "grpc" in probe:
+        return probe["grpc"]["port"]
+    from services.healthcheck import healthcheck_parser
+
+    command = probe["exec"]["command"]
+    assert command[:2] == ["dspark", "healthcheck"], f"not a gRPC health probe: {probe}"
+    host, _, port = healthcheck_parser().parse_args(command[2:]).target.rpartition(":")
+    assert host == "127.0.0.1", f"an exec probe checks its own container: {command}"
+    return int(port)
 
 
 def container_env(container: Obj, objects: Iterable[Obj]) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """deploy/k8s: the kustomize base and its overlays, rendered by the real kustomize and checked.
 
-Every kustomization (`kubectl apply -k deploy/k8s`, overlays/gpu, overlays/cpu-local) is
-rendered with `kubectl kustomize` (tests/deploy/manifests.py) and must:
+Every kustomization (`kubectl apply -k deploy/k8s`, overlays/gpu, overlays/cpu-local,
+overlays/mtls) is rendered with `kubectl kustomize` (tests/deploy/manifests.py) and must:
 - be valid against the Kubernetes 1.30 API schema (strict: an unknown field is an error);
 - give every container startup-safe liveness and readiness probes, resource requests and limits,
   and the restricted security context (non-root, read-only root filesystem with an emptyDir on
@@ -9,9 +9,12 @@ rendered with `kubectl kustomize` (tests/deploy/manifests.py) and must:
 - wire the services exactly as the serving configuration says: the ConfigMap generated from
   deploy/k8s/base/config/serving.env loads through dspark.serving_config.ServingConfig (the code
   the services run), and its ports and addresses are the container ports, the probes' ports, the
-  Services' ports and the gateway's flags (parsed by the real `dspark` argument parser);
+  Services' ports and the gateway's flags (parsed by the real `dspark` argument parser); the
+  scheduler's Prometheus port (observability.metrics_port) is its container's `metrics` port, a
+  Service port and its scrape annotation;
 - select pods that exist (Services, the autoscaler, the disruption budget, NetworkPolicies), and
-  admit exactly the intended connections;
+  admit exactly the intended connections, among them scrapers from namespaces labelled
+  dspark.io/monitoring=true to the metrics ports;
 - carry no secret: the generated Secret's source file holds no value.
 """
 
@@ -43,6 +46,7 @@ from tests.deploy.manifests import (
     of_kind,
     pod_labels,
     pod_spec,
+    probed_grpc_port,
     quantity,
     render,
     render_dir,
@@ -228,18 +232,36 @@ def test_every_dspark_pod_loads_the_configuration_through_serving_config(name):
 @pytest.mark.parametrize("service", GRPC_SERVICES)
 def test_grpc_service_ports_are_the_configured_ones_everywhere(name, service):
     objects = render(name)
-    endpoint = getattr(serving_config(objects, service), service)
+    config = serving_config(objects, service)
+    endpoint = getattr(config, service)
     container = the_container(objects, service)
-    assert container_ports(container) == {"grpc": endpoint.port}
+    # the scheduler also serves its Prometheus metrics (test below); drafter and verifier serve none
+    metrics = {"metrics": config.observability.metrics_port} if service == "scheduler" else {}
+    assert container_ports(container) == {"grpc": endpoint.port, **metrics}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        # standard grpc.health.v1 checking, which every service serves
-        assert container[probe]["grpc"]["port"] == endpoint.port, f"{service} {probe}"
+        # standard grpc.health.v1 checking, which every service serves (under mutual TLS through
+        # `dspark healthcheck`, tests/deploy/test_k8s_mtls.py)
+        assert probed_grpc_port(container[probe]) == endpoint.port, f"{service} {probe}"
     # clients dial <Service name>:<Service port>, which must reach the container port
     host, _, port = endpoint.address.partition(":")
     svc = named(objects, "Service", host)
-    (svc_port,) = svc["spec"]["ports"]
+    (svc_port,) = [p for p in svc["spec"]["ports"] if p["name"] == "grpc"]
     assert svc_port["port"] == int(port)
     assert resolve_port(svc_port["targetPort"], container) == endpoint.port
+
+
+@ALL
+def test_the_scheduler_metrics_port_is_the_configured_one_everywhere(name):
+    objects = render(name)
+    metrics_port = serving_config(objects, "scheduler").observability.metrics_port
+    assert metrics_port > 0, "the scheduler's Prometheus endpoint is off"
+    container = the_container(objects, "scheduler")
+    assert container_ports(container)["metrics"] == metrics_port
+    annotations = named(objects, "Deployment", "scheduler")["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true" and annotations["prometheus.io/path"] == "/metrics"
+    assert annotations["prometheus.io/port"] == str(metrics_port)
+    (svc_port,) = [p for p in named(objects, "Service", "scheduler")["spec"]["ports"] if p["name"] == "metrics"]
+    assert svc_port["port"] == metrics_port and resolve_port(svc_port["targetPort"], container) == metrics_port
 
 
 @ALL
@@ -407,17 +429,61 @@ def test_the_internal_token_comes_from_its_secret_to_the_grpc_services_only(tmp_
         assert "DSPARK_RPC_AUTH_TOKEN" not in container_env(the_container(objects, "gateway"), objects)  # it speaks no gRPC
 
 
+TLS_DIR = "/etc/dspark/grpc-tls"  # where the gRPC pods mount the optional Secret dspark-grpc-tls
+TLS_ENV = {"DSPARK_RPC_TLS_CA_PATH": f"{TLS_DIR}/ca.crt", "DSPARK_RPC_TLS_CERT_PATH": f"{TLS_DIR}/tls.crt",
+           "DSPARK_RPC_TLS_KEY_PATH": f"{TLS_DIR}/tls.key"}
+
+
+def test_the_grpc_services_mount_the_optional_tls_secret_and_an_own_overlay_turns_tls_on(tmp_path):
+    literals = "".join(f"      - {k}={v}\n" for k, v in TLS_ENV.items())
+    (tmp_path / "kustomization.yaml").write_text(  # the configuration part of components/mtls, by hand (the component: test_k8s_mtls.py)
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(BASE_DIR, tmp_path)}\n"
+        f"configMapGenerator:\n  - name: dspark-serving\n    behavior: merge\n    literals:\n{literals}")
+    for objects, expected in ((render("base"), ("", "", "")), (render_dir(tmp_path), tuple(TLS_ENV.values()))):
+        for service in GRPC_SERVICES:
+            deployment = named(objects, "Deployment", service)
+            mounts = {m["name"]: m for m in the_container(objects, service)["volumeMounts"]}
+            volumes = {v["name"]: v for v in pod_spec(deployment)["volumes"]}
+            assert mounts["grpc-tls"]["mountPath"] == TLS_DIR and mounts["grpc-tls"]["readOnly"] is True
+            # optional: without the Secret the pods start (plaintext); the key is not world-readable
+            assert volumes["grpc-tls"]["secret"] == {"secretName": "dspark-grpc-tls", "optional": True, "defaultMode": 0o440}
+            rpc = serving_config(objects, service).rpc
+            assert (rpc.tls_ca_path, rpc.tls_cert_path, rpc.tls_key_path) == expected
+        gateway_mounts = the_container(objects, "gateway").get("volumeMounts", [])
+        assert all(m["mountPath"] != TLS_DIR for m in gateway_mounts)  # it speaks no gRPC
+
+
 # ---- network policies ---------------------------------------------------------------------------
 
 ANYONE = "anyone"  # any pod of the cluster and any client outside it
 
 
+def namespaces_labelled(labels: dict[str, str]) -> str:
+    """The source "pods in the namespaces carrying all of `labels`"."""
+    return "namespaces labelled " + ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+MONITORING = namespaces_labelled({"dspark.io/monitoring": "true"})  # where the Prometheus scrapers run
+
+
+def _namespace_source(peer) -> str | None:
+    """A peer whose namespaceSelector picks namespaces by labels alone, as its source; else None."""
+    selector = peer.get("namespaceSelector")
+    if selector is None or "ipBlock" in peer or selector.get("matchExpressions") or not selector.get("matchLabels"):
+        return None
+    return namespaces_labelled(selector["matchLabels"])
+
+
 def admitted_connections(objects) -> set[tuple[str, str, int]]:
     """(source, destination, port) that the NetworkPolicies admit, between the Deployments' pods
-    (by name) and ANYONE, evaluated as the API defines it: a pod selected by no Ingress policy
-    admits everything; otherwise the union of the selecting policies' rules; a rule without
-    `from` admits any source, without `ports` any port; a peer with only a podSelector means
-    pods of the policy's own namespace; one with a namespaceSelector or ipBlock reaches beyond."""
+    (by name), ANYONE and namespaces_labelled(...), evaluated as the API defines it: a pod
+    selected by no Ingress policy admits everything; otherwise the union of the selecting
+    policies' rules; a rule without `from` admits any source, without `ports` any port; a peer
+    with only a podSelector means pods of the policy's own namespace; one with a
+    namespaceSelector of matchLabels the pods of the namespaces so labelled (all of them, also
+    with a podSelector beside it: an upper bound); any other namespaceSelector or an ipBlock
+    reaches anyone."""
     deployments = of_kind(objects, "Deployment")
     policies = [p for p in of_kind(objects, "NetworkPolicy") if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
     edges: set[tuple[str, str, int]] = set()
@@ -432,7 +498,9 @@ def admitted_connections(objects) -> set[tuple[str, str, int]]:
             for rule in policy["spec"].get("ingress", []):
                 sources = set()
                 for peer in rule.get("from") or [{}]:
-                    if peer == {} or "namespaceSelector" in peer or "ipBlock" in peer:
+                    if (namespaces := _namespace_source(peer)) is not None:
+                        sources.add(namespaces)
+                    elif peer == {} or "namespaceSelector" in peer or "ipBlock" in peer:
                         sources.add(ANYONE)
                     else:
                         sources |= {d["metadata"]["name"] for d in deployments if selector_matches(peer["podSelector"], pod_labels(d))}
@@ -454,6 +522,10 @@ def test_network_policies_admit_exactly_the_intended_connections(name):
         ("scheduler", "verifier", config.verifier.port),
     }
     expected |= {(service, "jaeger", port) for service in DSPARK_SERVICES for port in (4317, 4318)}  # OTLP gRPC, HTTP
+    expected |= {  # Prometheus: the metrics ports, from the monitoring namespaces only
+        (MONITORING, "scheduler", config.observability.metrics_port),
+        (MONITORING, "gateway", config.gateway.port),  # /metrics on the API port
+    }
     assert admitted_connections(objects) == expected
 
 
@@ -466,6 +538,11 @@ def test_the_network_policy_check_sees_a_hole():
     assert (ANYONE, "verifier", verifier_port) in admitted_connections(objects)
     unguarded = [o for o in objects if o["metadata"]["name"] not in ("default-deny-ingress", "jaeger-otlp-from-services")]
     assert (ANYONE, "jaeger", 16686) in admitted_connections(unguarded)
+    # a scraper policy that does not pick namespaces by label opens the metrics port to everyone
+    metrics_port = serving_config(objects, "scheduler").observability.metrics_port
+    assert (ANYONE, "scheduler", metrics_port) not in admitted_connections(objects)
+    named(objects, "NetworkPolicy", "scheduler-metrics-from-monitoring")["spec"]["ingress"][0]["from"][0]["namespaceSelector"] = {}
+    assert (ANYONE, "scheduler", metrics_port) in admitted_connections(objects)
 
 
 # ---- overlays -----------------------------------------------------------------------------------

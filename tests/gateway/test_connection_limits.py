@@ -9,12 +9,16 @@ kept-alive connection is closed after the keep-alive timeout; beyond `max_connec
 is answered 503 (OpenAI's error body, `connection: close`) at once, but for the probes (/live,
 /health), and a generation already streaming meanwhile (while a body over the size limit is also
 refused, 413) completes with exactly the tokens it would have had alone; slots come back when
-connections close. The limits come from the serving configuration's gateway section.
+connections close. A client that opens a stream and never reads it is cut off once the server's
+write buffer has stayed full for `slow_reader_timeout_s`: its generation is cancelled before it
+ends and its slots (connection, per-key concurrency) come back, while another client is served
+meanwhile. The limits come from the serving configuration's gateway section.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
@@ -28,8 +32,10 @@ from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.serving_config import GatewaySection, ServingConfig
+from gateway.api_keys import ApiKeys
 from gateway.connection_limits import uvicorn_config
 from gateway.openai_schema import ErrorResponse
+from gateway.rate_limit import MemoryRateLimiter, RateLimits
 from gateway.server import embedded_gateway
 from tests.conftest import make_tiny_runtime
 from tests.gateway.conftest import ByteTokenizer
@@ -118,6 +124,9 @@ def test_the_limits_are_the_serving_configurations_gateway_section():
     assert uv.timeout_keep_alive == limits.keep_alive_timeout_s and uv.h11_max_incomplete_event_size == limits.max_header_bytes
     with pytest.raises(ValueError, match="gateway.body_timeout_s must be > 0"):
         GatewaySection(body_timeout_s=0)
+    assert ServingConfig.load(env={"DSPARK_GATEWAY_SLOW_READER_TIMEOUT_S": "12"}).gateway.slow_reader_timeout_s == 12.0
+    with pytest.raises(ValueError, match="gateway.slow_reader_timeout_s must be > 0"):
+        GatewaySection(slow_reader_timeout_s=-1)
 
 
 def test_a_silent_connection_is_closed_after_the_header_timeout_and_an_idle_one_after_keep_alive(gateway):
@@ -237,3 +246,93 @@ def test_a_flood_of_connections_and_an_oversized_body_are_refused_while_a_stream
         assert wait_until(lambda: len(server.server_state.connections) == 0, timeout=10), "connections left open"
         answers = [httpx.get(base + "/live", timeout=10).status_code for _ in range(LIMITS.max_connections)]
         assert answers == [200] * LIMITS.max_connections
+
+
+# ---- slow readers -------------------------------------------------------------------------------
+
+
+class WideTokenizer(ByteTokenizer):
+    """ByteTokenizer whose every token is TOKEN_CHARS characters of text: a few dozen tokens fill
+    the server's socket and transport buffers, long before a generation ends."""
+
+    TOKEN_CHARS = 4096
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return "".join(chr(0x41 + t % 26) * self.TOKEN_CHARS for t in token_ids)
+
+
+SLOW_KEY, OTHER_KEY = "key-of-the-slow-reader", "key-of-another-client"
+STALLED_MAX_TOKENS = 480  # at >= 10 ms a step, at least 4.8 s to finish by itself
+
+
+@pytest.fixture(scope="module")
+def wide_gateway():
+    """The embedded gateway on WideTokenizer, each engine step 10 ms or more; API keys, one request
+    in flight per key."""
+    spec = SpeculativeEngine(make_tiny_runtime(), NgramDrafter(), num_speculative_tokens=3)
+    step = spec.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    spec.step = slow_step
+    engine = AsyncEngine(spec, idle_poll_s=0.01).start()
+    gateway = embedded_gateway(engine, WideTokenizer(), model_name=MODEL, max_tokens_limit=STALLED_MAX_TOKENS,
+                               api_keys=ApiKeys.from_entries([SLOW_KEY, OTHER_KEY]),
+                               rate_limiter=MemoryRateLimiter(RateLimits(max_concurrent=1)))
+    yield gateway
+    gateway.close()
+    engine.shutdown()
+
+
+def test_a_client_that_never_reads_its_stream_is_cut_off_and_its_request_cancelled(wide_gateway):
+    limits = dataclasses.replace(LIMITS, slow_reader_timeout_s=1.0)
+    engine, bus = wide_gateway.engine, wide_gateway.bus
+    cancelled: list[str] = []
+    cancel = bus.cancel
+
+    async def recording_cancel(request_id: str) -> None:
+        cancelled.append(request_id)
+        await cancel(request_id)
+
+    bus.cancel = recording_cancel
+    body = json.dumps({"model": MODEL, "prompt": "never read", "max_tokens": STALLED_MAX_TOKENS, "stream": True}).encode()
+    emitted_before = engine.engine.counters.emitted_tokens
+    try:
+        with limited_server(wide_gateway.app, limits) as (server, port):
+            base = f"http://127.0.0.1:{port}"
+            slow = socket.socket()
+            slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, and never read
+            slow.connect(("127.0.0.1", port))
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
+                         b"authorization: Bearer %s\r\ncontent-length: %d\r\n\r\n%s" % (SLOW_KEY.encode(), len(body), body))
+            t0 = time.monotonic()
+            assert wait_until(lambda: engine.num_running == 1, timeout=10), "the stalled request never ran"
+            # it holds its key's one slot while it stalls; another client is served meanwhile
+            small = {"model": MODEL, "prompt": "meanwhile", "max_tokens": 8}
+            assert httpx.post(base + "/v1/completions", json=small, headers={"authorization": f"Bearer {SLOW_KEY}"},
+                              timeout=30).status_code == 429
+            other = httpx.post(base + "/v1/completions", json=small, headers={"authorization": f"Bearer {OTHER_KEY}"}, timeout=30)
+            assert other.status_code == 200 and other.json()["usage"]["completion_tokens"] == 8
+            # a few dozen tokens fill the buffers (a second or two); then slow_reader_timeout_s passes
+            assert wait_until(lambda: cancelled, timeout=limits.slow_reader_timeout_s + 3.0 + SLACK_S), "never cancelled"
+            elapsed = time.monotonic() - t0
+            assert limits.slow_reader_timeout_s <= elapsed <= limits.slow_reader_timeout_s + 3.0 + SLACK_S
+            assert cancelled[0].startswith("cmpl-")
+            assert wait_until(lambda: engine.num_running == 0, timeout=10), "the engine still runs the stalled request"
+            assert wait_until(lambda: len(server.server_state.connections) == 0, timeout=10), "the connection was not closed"
+            # cut before it could end by itself: fewer tokens than it asked for were ever generated
+            assert engine.engine.counters.emitted_tokens - emitted_before < STALLED_MAX_TOKENS
+            # the key's slot came back
+            again = httpx.post(base + "/v1/completions", json=small, headers={"authorization": f"Bearer {SLOW_KEY}"}, timeout=30)
+            assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 8
+            received = b""
+            with contextlib.suppress(OSError):  # what did arrive: a stream cut off mid-way, without [DONE]
+                slow.settimeout(2)
+                while chunk := slow.recv(1 << 16):
+                    received += chunk
+            assert received.startswith(b"HTTP/1.1 200") and b"data: {" in received and b"[DONE]" not in received
+            slow.close()
+    finally:
+        bus.cancel = cancel

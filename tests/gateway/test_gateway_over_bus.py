@@ -7,7 +7,10 @@ that disconnects cancels its generation (the engine frees it); the W3C tracepare
 travels with the request; bad requests (malformed JSON, unknown model, max_tokens over the limit,
 negative temperature, a prompt too long, a wrong or missing API key, a body too large, a bad
 Last-Event-ID, a request the scheduler refuses) get a 4xx with OpenAI's error body; a full queue
-or no scheduler gets a 503.
+or no scheduler gets a 503. With Redis unreachable (never there, or gone while the gateway runs),
+every request that needs the bus (new, streamed, resumed) gets a 503 `bus_unavailable` with OpenAI's
+error body and Retry-After within seconds, never a 500 or a hang; a stream cut mid-way ends with
+that error in-band and resumes elsewhere from its last event.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from dspark.bus.redis_bus import RedisBus
 from dspark.bus.worker import run_worker
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.async_engine import AsyncEngine
@@ -343,3 +347,109 @@ async def test_without_a_scheduler_requests_time_out_and_a_full_queue_is_refused
     r = await post(stack.app, "/v1/completions", body)  # the first still occupies the only queue slot
     assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
     assert r.json()["error"]["type"] == "server_error"
+
+
+# ---- Redis unreachable -----------------------------------------------------------------------------
+
+NO_REDIS_URL = "redis://127.0.0.1:1/0"  # nothing listens on port 1: every connection is refused
+PROMPTLY_S = 5.0  # "within seconds": an answer, not a hang
+
+
+def assert_bus_unavailable(r: httpx.Response) -> None:
+    error = assert_error(r, 503, code="bus_unavailable")
+    assert error["type"] == "server_error"
+    assert "127.0.0.1" not in error["message"]  # Redis's address stays in the log
+    assert int(r.headers["retry-after"]) >= 1
+
+
+class RedisRelay:
+    """A TCP relay in front of the test Redis that can be cut: what a gateway sees when Redis goes
+    away under it (its open connections drop, new ones are refused)."""
+
+    def __init__(self, target_port: int = 6379):
+        self.target_port = target_port
+        self.server: asyncio.Server | None = None
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"redis://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/0"
+
+    async def _relay(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        redis_reader, redis_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [client_writer, redis_writer]
+
+        async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+        await asyncio.gather(pump(client_reader, redis_writer), pump(redis_reader, client_writer), return_exceptions=True)
+
+    def cut(self) -> None:
+        self.server.close()  # new connections: refused
+        for writer in self.writers:  # open ones: reset
+            writer.transport.abort()
+
+
+@pytest.mark.parametrize("make_bus", ["redis"], indirect=True)
+async def test_without_redis_new_streamed_and_resumed_requests_get_503_promptly(stack_factory):
+    stack = await stack_factory()
+    streamed = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True}
+    resumable_id = sse_events((await post(stack.app, "/v1/completions", streamed)).text)[0][0]  # a real event id
+    no_redis = RedisBus.from_url(NO_REDIS_URL, prefix=stack.new_bus.prefix)
+    gateway = make_app(no_redis, stack.engine)  # a replica whose Redis is not there
+    requests = [
+        ("new", "/v1/completions", {**streamed, "stream": False}, None),
+        ("new chat", "/v1/chat/completions", {"model": MODEL, "messages": CHAT}, None),
+        ("streamed", "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "stream": True}, None),
+        ("resumed", "/v1/completions", streamed, {"Last-Event-ID": resumable_id}),
+    ]
+    try:
+        for name, path, body, headers in requests:
+            started = time.monotonic()
+            r = await post(gateway, path, body, headers)
+            assert time.monotonic() - started < PROMPTLY_S, name
+            assert_bus_unavailable(r)
+        async with client_for(gateway) as client:
+            assert (await client.get("/health")).status_code == 503  # and the replica leaves the Service
+    finally:
+        await no_redis.close()
+
+
+@pytest.mark.parametrize("make_bus", ["redis"], indirect=True)
+async def test_redis_lost_mid_stream_ends_the_stream_with_a_503_event_and_it_resumes_elsewhere(stack_factory):
+    stack = await stack_factory(step_delay_s=0.05)
+    relay = RedisRelay()
+    relayed = RedisBus.from_url(await relay.start(), prefix=stack.new_bus.prefix, reconnect_timeout_s=1.0, tail_block_s=0.5)
+    gateway = make_app(relayed, stack.engine)
+    prompt, max_tokens = "lost and found:", 40
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    try:
+        streaming = asyncio.create_task(post(gateway, "/v1/completions", body))
+        assert await asyncio.to_thread(wait_until, lambda: stack.engine.num_running == 1, 20.0)
+        await asyncio.sleep(0.3)  # a few rounds out
+        relay.cut()
+        started = time.monotonic()
+        r = await asyncio.wait_for(streaming, 30)
+        assert time.monotonic() - started < PROMPTLY_S + relayed.reconnect_timeout_s
+        events = sse_events(r.text)
+        assert events[-1] == (None, "[DONE]")
+        in_band = json.loads(events[-2][1])  # the headers were out: the error is the last event
+        assert in_band["error"]["code"] == "bus_unavailable" and in_band["error"]["type"] == "server_error"
+        chunks = [(i, json.loads(d)) for i, d in events[:-2]]
+        assert chunks, "the stream was cut before its first chunk"
+
+        for name, headers in (("new", None), ("resumed", {"Last-Event-ID": chunks[-1][0]})):
+            started = time.monotonic()
+            assert_bus_unavailable(await post(gateway, "/v1/completions", body, headers))
+            assert time.monotonic() - started < PROMPTLY_S, name
+
+        # The client retries from its last event on a replica that reaches Redis: nothing lost or repeated.
+        resumed = await post(stack.replica(), "/v1/completions", body, headers={"Last-Event-ID": chunks[-1][0]})
+        rest = [json.loads(d) for _, d in sse_events(resumed.text)[:-1]]
+        text = streamed_text([c for _, c in chunks], "completion") + streamed_text(rest, "completion")
+        assert text == reference_text(TOKENIZER.encode(prompt), max_tokens)
+    finally:
+        relay.cut()
+        await relayed.close()
