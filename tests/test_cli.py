@@ -86,3 +86,15 @@ def test_generate_with_a_fixed_policy_equals_plain_decoding(capsys, real_model_d
     plain = generate_json(capsys, "--drafter", "none")
     fixed = generate_json(capsys, "--drafter", "ngram", "--policy", "fixed:2")
     assert fixed["token_ids"] == plain["token_ids"] and fixed["draft_tokens"] <= 2 * fixed["rounds"]
+
+
+@pytest.mark.parametrize("argv, policy", [
+    (["serve", "--drafter", "none"], "none"),  # nothing to schedule: plain decoding, not the default dspark
+    (["serve"], "dspark"),
+    (["serve", "--drafter", "none", "--policy", "fixed:1"], "fixed:1"),  # explicit wins (and the engine refuses it)
+    (["generate", "hi"], None),  # generate verifies all γ drafts unless told otherwise
+])
+def test_the_policy_defaults_to_plain_decoding_without_a_drafter(argv, policy):
+    from dspark.cli import _policy, build_parser
+
+    assert _policy(build_parser().parse_args(argv)) == policy

@@ -24,23 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+from dspark.cli_args import comma_floats, comma_ints, comma_names
 
 
 def add_bench_parser(subparsers) -> None:
@@ -49,19 +33,19 @@ def add_bench_parser(subparsers) -> None:
 
     s = sub.add_parser("serve", help="load generator against `dspark serve` per policy (or --url)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--policies", type=_names, default=("none", "fixed:1", "fixed:7", "threshold:0.5", "dspark", "dspark-async"),
+    s.add_argument("--policies", type=comma_names, default=("none", "fixed:1", "fixed:7", "threshold:0.5", "dspark", "dspark-async"),
                    help="comma-separated: none | fixed:K | threshold:C | dspark | dspark-async (with --url: exactly one)")
     s.add_argument("--url", default=None, help="load this running server instead of starting one per policy")
-    s.add_argument("--concurrency", type=_ints, default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32,64 (default 1,2,4,8)")
-    s.add_argument("--rate", type=_floats, default=(), help="open-loop Poisson arrival rates in requests/s, e.g. 0.5,1,2")
-    s.add_argument("--temperature", type=_floats, default=(0.0, 1.0), help="comma-separated, e.g. 0,1")
+    s.add_argument("--concurrency", type=comma_ints, default=None, help="closed-loop levels, e.g. 1,2,4,8,16,32,64 (default 1,2,4,8)")
+    s.add_argument("--rate", type=comma_floats, default=(), help="open-loop Poisson arrival rates in requests/s, e.g. 0.5,1,2")
+    s.add_argument("--temperature", type=comma_floats, default=(0.0, 1.0), help="comma-separated, e.g. 0,1")
     s.add_argument("--max-tokens", type=int, default=128)
     s.add_argument("--requests-per-point", type=int, default=32,
                    help="measured requests per point (closed loop: at least 2 per client)")
     s.add_argument("--duration", type=float, default=None, help="seconds per point instead of a request count")
     s.add_argument("--warmup", type=int, default=None, help="warm-up requests per point (default: the concurrency, or ceil(rate))")
     s.add_argument("--seed", type=int, default=0, help="request k of a point is sent with seed + k")
-    s.add_argument("--prompt-sets", type=_names, default=("math", "code", "chat"),
+    s.add_argument("--prompt-sets", type=comma_names, default=("math", "code", "chat"),
                    help="domains (math, code, chat) or benchmark names of ../shared/data/eval, interleaved")
     s.add_argument("--prompts-per-benchmark", type=int, default=64)
     s.add_argument("--max-prompt-chars", type=int, default=4000, help="leave out longer prompts (0: keep all)")
@@ -89,7 +73,7 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--out", default="docs/results/", help="directory for serving_frontier.png, serving_budget.png, serving_summary.md")
     p.add_argument("--reference", default="fixed:1", help="the policy speedups are measured against (MTP-1)")
     p.add_argument("--baseline", default="none", help="the policy no other may fall below")
-    p.add_argument("--sla", type=_floats, default=(10.0, 20.0), help="per-user tokens/s SLAs, e.g. 10,20")
+    p.add_argument("--sla", type=comma_floats, default=(10.0, 20.0), help="per-user tokens/s SLAs, e.g. 10,20")
     p.set_defaults(func=cmd_bench_plot)
 
     from dspark.bench.soak import add_soak_parser
@@ -166,9 +150,12 @@ def cmd_bench_serve(args) -> int:
             return 1
         return 0
 
+    from dspark.serving_config import GatewaySection
+
     spec = ServerSpec(drafter=args.drafter, drafter_path=args.drafter_path, gamma=args.gamma, model=args.model,
                       dtype=args.dtype, kv_budget_mb=args.kv_budget_mb, sps_max_batch=args.sps_max_batch,
-                      max_tokens_limit=args.max_tokens if args.max_tokens > 2048 else None)
+                      # raise the server's limit (dspark serve: gateway.max_tokens_limit) only where needed
+                      max_tokens_limit=args.max_tokens if args.max_tokens > GatewaySection.max_tokens_limit else None)
     log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="dspark-bench-"))
     failed = []
     for policy in args.policies:

@@ -46,7 +46,7 @@ def serve_command(policy: str, spec: ServerSpec, *, port: int) -> list[str]:
     cmd = [sys.executable, "-m", "dspark.cli", "serve", "--host", spec.host, "--port", str(port),
            "--model", spec.model, "--dtype", spec.dtype]
     if policy.strip().lower() == NONE_POLICY:
-        cmd += ["--drafter", "none"]
+        cmd += ["--drafter", "none", "--policy", NONE_POLICY]
     else:
         cmd += ["--drafter", spec.drafter, "--gamma", str(spec.gamma), "--policy", policy]
         if spec.drafter_path:

@@ -14,27 +14,10 @@ resumes and a rerun with more drafters only runs the new ones.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+from dspark.cli_args import comma_floats, comma_ints, comma_names
 
 
 def add_eval_parser(subparsers) -> None:
@@ -45,15 +28,15 @@ def add_eval_parser(subparsers) -> None:
     e = subparsers.add_parser("eval", help="offline evaluation: accepted length per benchmark (paper Table 1, Figs. 2-6)")
     e.add_argument("--drafter", action="append", required=True, metavar="[LABEL@]NAME[=PATH]",
                    help="a drafter to evaluate (repeat for several); the first is the reference of the printed gains")
-    e.add_argument("--benchmarks", type=_names, default=BENCHMARKS, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    e.add_argument("--benchmarks", type=comma_names, default=BENCHMARKS, help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     e.add_argument("--limit", type=int, default=10, help="prompts per benchmark (every turn of each is generated)")
-    e.add_argument("--temperature", type=_floats, default=(1.0, 0.0), help="comma-separated temperatures, e.g. 0,1")
+    e.add_argument("--temperature", type=comma_floats, default=(1.0, 0.0), help="comma-separated temperatures, e.g. 0,1")
     e.add_argument("--gamma", type=int, default=7, help="draft tokens per round (block size) of Table 1")
-    e.add_argument("--block-sizes", type=_ints, default=(), help="extra γ values for the block-size sweep, e.g. 4,8,12,16")
+    e.add_argument("--block-sizes", type=comma_ints, default=(), help="extra γ values for the block-size sweep, e.g. 4,8,12,16")
     e.add_argument("--max-new-tokens", type=int, default=256)
     e.add_argument("--seed", type=int, default=0, help="base seed; every request's seed derives from it")
     e.add_argument("--batch-size", type=int, default=8, help="requests per engine step (results do not depend on it)")
-    e.add_argument("--thresholds", type=_floats, default=DEFAULT_THRESHOLDS, help="static confidence thresholds (Fig. 5)")
+    e.add_argument("--thresholds", type=comma_floats, default=DEFAULT_THRESHOLDS, help="static confidence thresholds (Fig. 5)")
     e.add_argument("--out", default="docs/results/offline_eval.json", help="results JSON")
     e.add_argument("--plots", default=None, help="directory for the PNG figures (default: the --out directory)")
     e.add_argument("--no-plots", action="store_true")

@@ -35,7 +35,8 @@ def test_policy_none_is_plain_decoding_and_the_others_share_the_drafter():
     spec = ServerSpec(drafter="dspark", drafter_path="runs/d", gamma=5, sps_max_batch=32)
     none = serve_command("none", spec, port=8123)
     assert none[:4] == [sys.executable, "-m", "dspark.cli", "serve"]
-    assert none[none.index("--drafter") + 1] == "none" and "--policy" not in none and "--drafter-path" not in none
+    assert none[none.index("--drafter") + 1] == "none" and "--drafter-path" not in none
+    assert none[none.index("--policy") + 1] == "none"  # the server's default policy (dspark) needs a drafter
     dspark = serve_command("dspark", spec, port=8123)
     assert dspark[dspark.index("--policy") + 1] == "dspark"
     assert dspark[dspark.index("--drafter") + 1] == "dspark" and dspark[dspark.index("--drafter-path") + 1] == "runs/d"
