@@ -13,39 +13,24 @@ row's own bits allow. `benchmarks/bench_drafter.py` times the drafting step that
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 
-def sample_categorical(
-    probs: torch.Tensor,
-    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,
-) -> torch.Tensor:
+def sample_categorical(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """x_i ~ probs[i] / probs[i].sum() for each row i of probs [n, V] (non-negative, each row
     with positive mass; need not be normalised). Returns [n] int64. A token of probability 0 is
-    never drawn. Consumes one float64 uniform per row: n of `generator`, in row order, or one of
-    each row's own generator when given a sequence of n (requests batched together keep their
-    own streams, so a seeded request draws the same whatever its neighbours)."""
+    never drawn. Consumes n float64 uniforms of `generator`, in row order."""
     if probs.dim() != 2:
         raise ValueError(f"probs must be [n, vocab], got {list(probs.shape)}")
     cdf = probs.double().cumsum(dim=-1)  # [n, V]
     total = cdf[:, -1:]  # [n, 1]
     if not bool((total > 0).all()):
         raise ValueError("every row of probs needs positive mass")
-    u = _uniforms(probs.shape[0], generator, device=probs.device)  # [n, 1] in [0, 1)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)  # [n, 1] in [0, 1)
     # u·total may round up to total itself; the largest double below it keeps the draw inside the row
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [n, 1]
     # the first i with cdf_i > target: cdf_i > cdf_{i-1}, so probs[i] > 0
     return torch.searchsorted(cdf, target, right=True).squeeze(1)  # [n]
-
-
-def _uniforms(n: int, generator, *, device) -> torch.Tensor:  # [n, 1] float64
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(n, 1, dtype=torch.float64, generator=generator, device=device)
-    if len(generator) != n:
-        raise ValueError(f"expected {n} generators (one per row), got {len(generator)}")
-    return torch.cat([torch.rand(1, 1, dtype=torch.float64, generator=g, device=device) for g in generator])
 
 
 __all__ = ["sample_categorical"]

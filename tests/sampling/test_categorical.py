@@ -50,15 +50,6 @@ def test_a_seeded_generator_reproduces_the_draws():
     assert torch.equal(a, b)
 
 
-def test_rows_with_their_own_generators_draw_as_if_alone():
-    probs = torch.softmax(torch.randn(3, 500, generator=torch.Generator().manual_seed(2)), dim=-1)  # [3, V]
-    together = sample_categorical(probs, [torch.Generator().manual_seed(s) for s in (10, 11, 12)])
-    alone = [int(sample_categorical(probs[i : i + 1], torch.Generator().manual_seed(s))) for i, s in enumerate((10, 11, 12))]
-    assert together.tolist() == alone
-    with pytest.raises(ValueError, match="one per row"):
-        sample_categorical(probs, [torch.Generator()])
-
-
 @pytest.mark.parametrize("probs", [torch.zeros(2, 4), torch.ones(4)])
 def test_bad_rows_are_refused(probs):
     with pytest.raises(ValueError):

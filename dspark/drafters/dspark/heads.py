@@ -19,7 +19,6 @@ Two modes: teacher-forced (training; x_{k-1} are the ground-truth tokens, x_0 th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +175,7 @@ def sample_sequential(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | Sequence[torch.Generator | None] | None = None,  # one, or one per row
+    generator: torch.Generator | None = None,
 ) -> DraftSample:
     """Sample x_1..x_γ left to right from p_k = softmax((U_k + B_k)/T), truncated by top-k/top-p
     and renormalised exactly as the target side does (`logits_to_probs`).

@@ -146,28 +146,22 @@ class DSparkServingDrafter:
         steps = max(requests[i].max_draft_tokens for i in active)
         hidden = self._encode_blocks(requests, active)[:, :steps]  # [n, steps, hidden]: DSpark's block is [x_0, mask × (γ-1)]
         base_logits = self._base_logits(hidden)  # [n, steps, V]
-        # The sequential head runs once per group of requests sharing a temperature and a draft
-        # length k (usually one group: the whole batch), so its weights (the Markov head's V x r
-        # matrix, read once per position) are streamed once per group, not once per request.
-        # Each request keeps its own generator and its own k: its draws do not depend on its neighbours.
-        groups: dict[tuple[float, int], list[int]] = {}
         for row, i in enumerate(active):
-            groups.setdefault((requests[i].params.temperature, requests[i].max_draft_tokens), []).append(row)
-        for (temperature, k), rows in groups.items():
-            index = slice(None) if len(rows) == len(active) else torch.tensor(rows)  # [g] rows of the batch in this group
+            req = requests[i]
+            # this request's own k, not the batch's: its generator must not depend on its neighbours
+            k = req.max_draft_tokens
             sample = sample_sequential(
-                base_logits=base_logits[index, :k],  # [g, k, V]
-                hidden=hidden[index, :k],  # [g, k, hidden]
-                anchor_tokens=torch.tensor([requests[active[r]].token_ids[-1] for r in rows]),  # [g]
+                base_logits=base_logits[row : row + 1, :k],
+                hidden=hidden[row : row + 1, :k],
+                anchor_tokens=torch.tensor([req.token_ids[-1]]),
                 head=self.model.head,
                 confidence_head=self.model.confidence_head,
-                temperature=temperature,
+                temperature=req.params.temperature,
                 top_k=self.top_k,
                 top_p=self.top_p,
-                generator=[requests[active[r]].generator for r in rows],
+                generator=req.generator,
             )
-            logits = sample.confidence_logits  # [g, k]
+            logits = sample.confidence_logits[0]  # [k]
             conf = apply_temperatures(logits, self.temperatures[:k]) if self.temperatures is not None else torch.sigmoid(logits)
-            for g, r in enumerate(rows):
-                out[active[r]] = sample.proposal(g, confidences=conf[g])
+            out[i] = sample.proposal(0, confidences=conf)
         return out
