@@ -111,6 +111,21 @@ def closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
+def trickle(sock: socket.socket, data: bytes) -> bytes:
+    """Send `data` a byte at a time, as a slow client would, until the server answers or cuts the
+    connection off: what it answered (b"" if nothing)."""
+    sock.settimeout(0.1)
+    for byte in data:
+        try:
+            sock.sendall(bytes([byte]))
+            return sock.recv(65536)
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            break
+    return b""
+
+
 def assert_error_body(body: bytes, code: str) -> None:
     assert ErrorResponse.model_validate(json.loads(body)).error.code == code
 
@@ -145,17 +160,7 @@ def test_a_silent_connection_is_closed_after_the_header_timeout_and_an_idle_one_
 def test_a_client_trickling_its_headers_gets_408_and_is_cut_off(gateway):
     with limited_server(gateway.app, LIMITS) as (_, port):
         sock, t0 = connect(port), time.monotonic()
-        sock.settimeout(0.1)
-        response = b""
-        for byte in b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"z" * 200:
-            try:
-                sock.sendall(bytes([byte]))
-                response = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            break
+        response = trickle(sock, b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Slow: " + b"z" * 200)
         elapsed = time.monotonic() - t0
         assert LIMITS.header_timeout_s * 0.9 <= elapsed <= LIMITS.header_timeout_s + SLACK_S
         assert response.startswith(b"HTTP/1.1 408"), response
@@ -184,17 +189,7 @@ def test_a_client_trickling_its_body_gets_408_and_the_server_keeps_serving(gatew
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n" % len(body))
         t0 = time.monotonic()
-        sock.settimeout(0.1)
-        response = b""
-        for byte in body:
-            try:
-                sock.sendall(bytes([byte]))
-                response = sock.recv(65536)
-            except TimeoutError:
-                continue
-            except (BrokenPipeError, ConnectionResetError):
-                break
-            break
+        response = trickle(sock, body)
         elapsed = time.monotonic() - t0
         assert LIMITS.body_timeout_s * 0.9 <= elapsed <= LIMITS.body_timeout_s + SLACK_S
         assert response.startswith(b"HTTP/1.1 408"), response

@@ -18,83 +18,39 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from dspark.drafters.ngram import NgramDrafter
-from dspark.engine.async_engine import AsyncEngine
-from dspark.engine.speculative import SpeculativeEngine
-from dspark.engine.verifier import LocalVerifier
-from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
-from dspark.protos.dspark.v1 import (
-    common_pb2,
-    drafter_pb2,
-    drafter_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
+from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from dspark.serving_config import ServingConfig
 from services.drafter.client import RemoteDrafter
 from services.grpc_auth import generate_token, warn_if_exposed
 from services.grpc_common import ServiceError, check_health, make_channel
 from services.verifier.client import RemoteVerifier
+from tests.services.conftest import SERVICE_NAMES, calls_to_each_service, closing_all, rpc_error, tiny_services
 
 TOKEN = generate_token()
 
 
 @pytest.fixture
-def guarded(serve, tiny_runtime_factory):
+def guarded(tiny_runtime_factory):
     """(verifier, drafter, scheduler) addresses, each requiring TOKEN."""
-    verifier = serve.verifier(LocalVerifier(tiny_runtime_factory(kv_budget_tokens=100)), auth_token=TOKEN)
-    drafter = serve.drafter(NgramDrafter(), vocab_size=256, auth_token=TOKEN)
-    engine = AsyncEngine(SpeculativeEngine(tiny_runtime_factory(), NgramDrafter())).start()
-    try:
-        yield verifier, drafter, serve.scheduler(engine, auth_token=TOKEN)
-    finally:
-        serve.stop_all()
-        engine.shutdown()
-
-
-def _one_call_of_each_service(channels):
-    """A unary call on each service and a server-streaming one (Drafter.Draft, Scheduler.Submit)."""
-    verifier, drafter, scheduler = channels
-    request = scheduler_pb2.GenerationRequest(request_id="auth", prompt_ids=[1, 2, 3], max_new_tokens=2,
-                                              params=common_pb2.SamplingParams(temperature=0.0, top_p=1.0))
-    return [
-        lambda: verifier_pb2_grpc.VerifierStub(verifier).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=10),
-        lambda: drafter_pb2_grpc.DrafterStub(drafter).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=10),
-        lambda: list(drafter_pb2_grpc.DrafterStub(drafter).Draft(drafter_pb2.DraftRoundRequest(round_id=1), timeout=10)),
-        lambda: scheduler_pb2_grpc.SchedulerStub(scheduler).Stats(scheduler_pb2.StatsRequest(), timeout=10),
-        lambda: list(scheduler_pb2_grpc.SchedulerStub(scheduler).Submit(request, timeout=30)),
-    ]
-
-
-def _refusal(call) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code(), info.value.details()
+    with tiny_services(tiny_runtime_factory(kv_budget_tokens=100), NgramDrafter(), auth_token=TOKEN) as addresses:
+        yield addresses
 
 
 @pytest.mark.parametrize("token, message", [(None, "requires the internal token"), ("not-the-token-" * 2, "is not this deployment")])
 def test_every_service_refuses_calls_without_the_token_or_with_another(guarded, token, message):
-    channels = [make_channel(address, auth_token=token or "") for address in guarded]
-    try:
-        for call in _one_call_of_each_service(channels):
-            code, details = _refusal(call)
+    with closing_all([make_channel(address, auth_token=token or "") for address in guarded]) as channels:
+        for call in calls_to_each_service(channels, request_id="auth").values():
+            code, details = rpc_error(call)
             assert code == grpc.StatusCode.UNAUTHENTICATED and message in details
-    finally:
-        for channel in channels:
-            channel.close()
 
 
 def test_calls_with_the_token_are_served(guarded):
-    channels = [make_channel(address, auth_token=TOKEN) for address in guarded]
-    try:
-        verifier_info, drafter_info, draft, stats, outputs = (call() for call in _one_call_of_each_service(channels))
+    with closing_all([make_channel(address, auth_token=TOKEN) for address in guarded]) as channels:
+        calls = calls_to_each_service(channels, request_id="auth").values()
+        verifier_info, drafter_info, draft, stats, outputs = (call() for call in calls)
         assert verifier_info.vocab_size == 256 and drafter_info.name == "ngram"
         assert draft == [] and stats.num_finished >= 0
         assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and sum(len(o.new_token_ids) for o in outputs) == 2
-    finally:
-        for channel in channels:
-            channel.close()
 
 
 def test_the_remote_clients_send_the_token_and_fail_clearly_without_it(guarded):
@@ -106,7 +62,7 @@ def test_the_remote_clients_send_the_token_and_fail_clearly_without_it(guarded):
 
 
 def test_health_stays_open_and_reflection_needs_the_token(guarded):
-    for address, service in zip(guarded, (VERIFIER_SERVICE, DRAFTER_SERVICE, SCHEDULER_SERVICE)):
+    for address, service in zip(guarded, SERVICE_NAMES):
         with grpc.insecure_channel(address) as anonymous:
             assert check_health(anonymous) and check_health(anonymous, service)  # what a kubelet probe does
             with pytest.raises(grpc.RpcError) as info:

@@ -11,14 +11,9 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from dspark.drafters.ngram import NgramDrafter
-from dspark.engine.async_engine import AsyncEngine
-from dspark.engine.speculative import SpeculativeEngine
-from dspark.engine.verifier import LocalVerifier
-from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
 from dspark.protos.dspark.v1 import (
     common_pb2,
     drafter_pb2,
@@ -30,42 +25,30 @@ from dspark.protos.dspark.v1 import (
 )
 from services.verifier.client import RemoteVerifier
 from tests.drafters.test_dspark_serving import make_serving_drafter
+from tests.services.conftest import SERVICE_NAMES, health_reply, rpc_error, tiny_services
 
 PARAMS = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
 
 
 @pytest.fixture
-def three_servers(serve, tiny_runtime_factory):
+def three_servers(tiny_runtime_factory):
     """(verifier, drafter, scheduler) addresses: the tiny model, the tiny DSpark drafter, an
     in-process engine behind the scheduler API."""
     runtime = tiny_runtime_factory(capture_layers=(1, 3), kv_budget_tokens=100)
-    verifier = serve.verifier(LocalVerifier(runtime))
-    drafter = serve.drafter(make_serving_drafter(runtime), vocab_size=256, hidden_size=runtime.config.hidden_size)
-    other = tiny_runtime_factory()
-    engine = AsyncEngine(SpeculativeEngine(other, NgramDrafter())).start()
-    try:
-        yield verifier, drafter, serve.scheduler(engine)
-    finally:
-        serve.stop_all()
-        engine.shutdown()
+    with tiny_services(runtime, make_serving_drafter(runtime), hidden_size=runtime.config.hidden_size) as addresses:
+        yield addresses
 
 
 def _code(method, request) -> tuple[grpc.StatusCode, str]:
     """The status code and details a call ends with (a server stream is read to its end)."""
-    with pytest.raises(grpc.RpcError) as info:
-        result = method(request, timeout=10)
-        if hasattr(result, "__next__"):
-            list(result)
-    return info.value.code(), info.value.details()
+    return rpc_error(method, request, timeout=10)
 
 
 def test_every_service_reports_serving_and_lists_itself_through_reflection(three_servers):
-    for address, service in zip(three_servers, (VERIFIER_SERVICE, DRAFTER_SERVICE, SCHEDULER_SERVICE)):
+    for address, service in zip(three_servers, SERVICE_NAMES):
         with grpc.insecure_channel(address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
             for name in ("", service):
-                reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)
-                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+                assert health_reply(channel, name).status == health_pb2.HealthCheckResponse.SERVING
             listed = set(ProtoReflectionDescriptorDatabase(channel).get_services())
             assert {service, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= listed
 

@@ -19,7 +19,8 @@ first check. Servers: the tiny random model (vocab 256, context 512), the tiny D
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -27,14 +28,10 @@ import numpy as np
 import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message_factory import GetMessageClass
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dspark.drafters.ngram import NgramDrafter
-from dspark.engine.async_engine import AsyncEngine
-from dspark.engine.speculative import SpeculativeEngine
-from dspark.engine.verifier import LocalVerifier
 from dspark.protos.dspark.v1 import (
     common_pb2,
     drafter_pb2,
@@ -44,11 +41,9 @@ from dspark.protos.dspark.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
-from services.drafter.server import start_drafter_server
-from services.scheduler.server import start_scheduler_server
-from services.verifier.server import start_verifier_server
 from tests.conftest import make_tiny_runtime
 from tests.drafters.test_dspark_serving import make_serving_drafter
+from tests.services.conftest import health_reply, tiny_services
 
 VOCAB, HIDDEN, CAPTURE_LAYERS, CONTEXT = 256, 64, (1, 3), 512
 REQUEST_IDS = ("a", "b", "c")  # a small alphabet: random calls meet each other's requests
@@ -269,43 +264,41 @@ class Served:
     cleanup: Callable[[], None]  # frees every request the example may have registered
 
 
-def served(server, stub_class, cleanup_with) -> Served:
-    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
-    stub = stub_class(channel)
-    return Served(stub=stub, channel=channel, cleanup=lambda: cleanup_with(stub))
+@contextmanager
+def served(address: str, stub_class, cleanup_with) -> Iterator[Served]:
+    with grpc.insecure_channel(address) as channel:
+        stub = stub_class(channel)
+        yield Served(stub=stub, channel=channel, cleanup=lambda: cleanup_with(stub))
 
 
 @pytest.fixture(scope="module")
-def verifier():
-    runtime = make_tiny_runtime(capture_layers=CAPTURE_LAYERS, kv_budget_tokens=64)  # small: two requests can exhaust it
-    server = start_verifier_server(LocalVerifier(runtime))
-    s = served(server, verifier_pb2_grpc.VerifierStub, lambda stub: stub.RemoveRequest(
-        verifier_pb2.VerifierRemoveRequest(request_ids=list(REQUEST_IDS)), timeout=CALL_TIMEOUT_S))
-    yield s
-    s.channel.close()
-    server.stop(None)
+def addresses():
+    """(verifier, drafter, scheduler): the verifier's KV budget small (two requests can exhaust it), the
+    drafter the tiny DSpark drafter on a model of its own, the scheduler's engine drafting 3 tokens."""
+    runtime = make_tiny_runtime(capture_layers=CAPTURE_LAYERS, kv_budget_tokens=64)
+    drafter = make_serving_drafter(make_tiny_runtime(capture_layers=CAPTURE_LAYERS))
+    with tiny_services(runtime, drafter, hidden_size=HIDDEN, num_speculative_tokens=3) as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="module")
-def drafter():
-    runtime = make_tiny_runtime(capture_layers=CAPTURE_LAYERS)
-    server = start_drafter_server(make_serving_drafter(runtime), vocab_size=VOCAB, hidden_size=HIDDEN)
-    s = served(server, drafter_pb2_grpc.DrafterStub, lambda stub: stub.RemoveRequest(
-        drafter_pb2.DrafterRemoveRequest(request_ids=list(REQUEST_IDS)), timeout=CALL_TIMEOUT_S))
-    yield s
-    s.channel.close()
-    server.stop(None)
+def verifier(addresses):
+    with served(addresses[0], verifier_pb2_grpc.VerifierStub, lambda stub: stub.RemoveRequest(
+            verifier_pb2.VerifierRemoveRequest(request_ids=list(REQUEST_IDS)), timeout=CALL_TIMEOUT_S)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
-def scheduler():
-    engine = AsyncEngine(SpeculativeEngine(make_tiny_runtime(), NgramDrafter(), num_speculative_tokens=3)).start()
-    server = start_scheduler_server(engine)
-    s = served(server, scheduler_pb2_grpc.SchedulerStub, lambda stub: None)  # a Submit runs to its end inside its call
-    yield s
-    s.channel.close()
-    server.stop(None)
-    engine.shutdown()
+def drafter(addresses):
+    with served(addresses[1], drafter_pb2_grpc.DrafterStub, lambda stub: stub.RemoveRequest(
+            drafter_pb2.DrafterRemoveRequest(request_ids=list(REQUEST_IDS)), timeout=CALL_TIMEOUT_S)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def scheduler(addresses):
+    with served(addresses[2], scheduler_pb2_grpc.SchedulerStub, lambda stub: None) as s:  # a Submit ends inside its call
+        yield s
 
 
 def run_calls(s: Served, calls: list[tuple[str, object]]) -> None:
@@ -321,8 +314,7 @@ def run_calls(s: Served, calls: list[tuple[str, object]]) -> None:
                 assert details, f"{rpc} ended with {code.name} and no message"
     finally:
         s.cleanup()
-    health = health_pb2_grpc.HealthStub(s.channel).Check(health_pb2.HealthCheckRequest(), timeout=CALL_TIMEOUT_S)
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert health_reply(s.channel, timeout=CALL_TIMEOUT_S).status == health_pb2.HealthCheckResponse.SERVING
 
 
 @FUZZ

@@ -35,28 +35,17 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dspark.drafters.ngram import NgramDrafter
-from dspark.engine.async_engine import AsyncEngine
-from dspark.engine.speculative import SpeculativeEngine
-from dspark.engine.verifier import LocalVerifier
-from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
-from dspark.protos.dspark.v1 import (
-    common_pb2,
-    drafter_pb2,
-    drafter_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    verifier_pb2,
-    verifier_pb2_grpc,
-)
+from dspark.protos import SCHEDULER_SERVICE
+from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from dspark.serving_config import ServingConfig
 from services.drafter.client import RemoteDrafter
 from services.grpc_auth import generate_token
 from services.grpc_common import ServiceUnavailable, check_health, make_channel, wait_until_serving
 from services.grpc_tls import TlsConfigError, TlsCredentials, load_tls
 from services.verifier.client import RemoteVerifier
+from tests.services.conftest import SERVICE_NAMES, calls_to_each_service, closing_all, health_reply, rpc_error, tiny_services
 
 TOKEN = generate_token()
 CALL_TIMEOUT_S = 10
@@ -132,64 +121,39 @@ def pki(tmp_path_factory) -> Pki:
 
 
 @pytest.fixture
-def tls_servers(serve, tiny_runtime_factory, pki):
+def tls_servers(tiny_runtime_factory, pki):
     """(verifier, drafter, scheduler) addresses, each requiring mutual TLS and TOKEN."""
-    server_tls = pki.credentials("server")
-    verifier = serve.verifier(LocalVerifier(tiny_runtime_factory(kv_budget_tokens=100)), auth_token=TOKEN, tls=server_tls)
-    drafter = serve.drafter(NgramDrafter(), vocab_size=256, auth_token=TOKEN, tls=server_tls)
-    engine = AsyncEngine(SpeculativeEngine(tiny_runtime_factory(), NgramDrafter())).start()
-    try:
-        yield verifier, drafter, serve.scheduler(engine, auth_token=TOKEN, tls=server_tls)
-    finally:
-        serve.stop_all()
-        engine.shutdown()
+    with tiny_services(tiny_runtime_factory(kv_budget_tokens=100), NgramDrafter(), auth_token=TOKEN,
+                       tls=pki.credentials("server")) as addresses:
+        yield addresses
 
 
 def _calls(channels):
     """A unary call on each service, and the scheduler's server-streaming Submit."""
-    verifier, drafter, scheduler = channels
-    request = scheduler_pb2.GenerationRequest(request_id="tls", prompt_ids=[1, 2, 3], max_new_tokens=2,
-                                              params=common_pb2.SamplingParams(temperature=0.0, top_p=1.0))
-    return [
-        lambda: verifier_pb2_grpc.VerifierStub(verifier).GetInfo(verifier_pb2.GetVerifierInfoRequest(), timeout=CALL_TIMEOUT_S),
-        lambda: drafter_pb2_grpc.DrafterStub(drafter).GetInfo(drafter_pb2.GetDrafterInfoRequest(), timeout=CALL_TIMEOUT_S),
-        lambda: list(scheduler_pb2_grpc.SchedulerStub(scheduler).Submit(request, timeout=30)),
-    ]
-
-
-def _health(channel: grpc.Channel):
-    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=CALL_TIMEOUT_S)
+    calls = calls_to_each_service(channels, request_id="tls", timeout=CALL_TIMEOUT_S)
+    return [calls["Verifier.GetInfo"], calls["Drafter.GetInfo"], calls["Scheduler.Submit"]]
 
 
 def _code(call) -> grpc.StatusCode:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    return info.value.code()
+    return rpc_error(call)[0]
 
 
 # ---- served and refused ------------------------------------------------------------------------
 
 
 def test_a_client_with_a_certificate_of_the_ca_and_the_token_is_served_by_every_service(tls_servers, pki):
-    channels = [make_channel(address, auth_token=TOKEN, tls=pki.credentials("client")) for address in tls_servers]
-    try:
+    with closing_all([make_channel(address, auth_token=TOKEN, tls=pki.credentials("client"))
+                      for address in tls_servers]) as channels:
         verifier_info, drafter_info, outputs = (call() for call in _calls(channels))
         assert verifier_info.vocab_size == 256 and drafter_info.name == "ngram"
         assert outputs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and sum(len(o.new_token_ids) for o in outputs) == 2
-        for channel, service in zip(channels, (VERIFIER_SERVICE, DRAFTER_SERVICE, SCHEDULER_SERVICE)):
+        for channel, service in zip(channels, SERVICE_NAMES):
             assert check_health(channel, service)
-    finally:
-        for channel in channels:
-            channel.close()
 
 
 def test_the_token_is_still_required_over_tls(tls_servers, pki):
-    channels = [make_channel(address, tls=pki.credentials("client")) for address in tls_servers]
-    try:
+    with closing_all([make_channel(address, tls=pki.credentials("client")) for address in tls_servers]) as channels:
         assert [_code(call) for call in _calls(channels)] == [grpc.StatusCode.UNAUTHENTICATED] * 3
-    finally:
-        for channel in channels:
-            channel.close()
 
 
 def _without_certificate(address: str, pki: Pki) -> grpc.Channel:
@@ -210,15 +174,11 @@ def _plaintext(address: str, pki: Pki) -> grpc.Channel:
 
 @pytest.mark.parametrize("open_channel", [_without_certificate, _other_cas_certificate, _plaintext])
 def test_a_client_without_a_certificate_of_the_ca_is_refused_by_every_service_even_for_health(tls_servers, pki, open_channel):
-    channels = [open_channel(address, pki) for address in tls_servers]
-    try:
+    with closing_all([open_channel(address, pki) for address in tls_servers]) as channels:
         for call in _calls(channels):
             assert _code(call) == grpc.StatusCode.UNAVAILABLE  # the handshake fails: no call reaches a servicer
         for channel in channels:
-            assert _code(lambda c=channel: _health(c)) == grpc.StatusCode.UNAVAILABLE
-    finally:
-        for channel in channels:
-            channel.close()
+            assert _code(lambda c=channel: health_reply(c, timeout=CALL_TIMEOUT_S)) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_a_client_refuses_a_server_whose_certificate_another_ca_signed(tls_servers, pki):
@@ -323,7 +283,7 @@ def test_up_with_the_tls_files_runs_every_call_over_mutual_tls(tiny_model_dir, p
         assert sum(len(o.new_token_ids) for o in outputs) == 6
         for port in (scheduler_port, drafter_port, verifier_port):
             with make_channel(f"127.0.0.1:{port}", auth_token=TOKEN) as plaintext:
-                assert _code(lambda c=plaintext: _health(c)) == grpc.StatusCode.UNAVAILABLE
+                assert _code(lambda c=plaintext: health_reply(c, timeout=CALL_TIMEOUT_S)) == grpc.StatusCode.UNAVAILABLE
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     finally:
