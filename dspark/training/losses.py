@@ -59,7 +59,9 @@ def target_probs_from_hidden(
     # (autocast would otherwise run this matmul in bf16 and move every p_t by ~1%).
     with torch.autocast(device_type=final_hidden.device.type, enabled=False):
         logits = final_hidden.float() @ lm_head_weight.float().t()  # [n, V]
-        return torch.softmax(logits / temperature, dim=-1)
+        if temperature != 1.0:  # x / 1.0 == x: skip a pass over [n, V] in the common case
+            logits = logits / temperature
+        return torch.softmax(logits, dim=-1)
 
 
 def weighted_mean(
@@ -111,6 +113,52 @@ def confidence_loss(
     return weighted_mean(bce, weights, mask)
 
 
+class _VocabTerms(torch.autograd.Function):
+    """nll_k = -log p_d_k(x*_k) and l1_k = ‖p_d_k - p_t_k‖₁ of every row in one pass over [n, γ, V],
+    with the gradient of any combination of them in closed form (softmax Jacobian J = diag(p) - p pᵀ):
+        ∂nll/∂z = p_d - onehot(x*),     ∂l1/∂z = Jᵀ s = p_d ⊙ (s - ⟨s, p_d⟩),  s = sign(p_d - p_t)
+    (sign(0) = 0, as autograd's abs). Same values as log_softmax / softmax / abs().sum() composed by
+    autograd, to float rounding, but one fp32 copy of the logits instead of two, one softmax, and no
+    autograd graph of half a dozen [n, γ, V] intermediates (a step is bound by these passes on CPU)."""
+
+    @staticmethod
+    def forward(ctx, draft_logits: torch.Tensor, target_probs: torch.Tensor, target_ids: torch.Tensor):
+        # draft_logits: [n, γ, V] any float dtype; target_probs: [n, γ, V] fp32; target_ids: [n, γ] int64
+        z = draft_logits.float()  # [n, γ, V] (the same tensor when already fp32: never written below)
+        p = torch.softmax(z, dim=-1)  # [n, γ, V] p_d
+        # log-sum-exp from the softmax's own pieces: p at the argmax is 1 / Σ exp(z - max) ≥ 1/V, so
+        # lse = max - log p_max never sees an underflowed p (no second exp pass over [n, γ, V])
+        z_max, arg = z.max(dim=-1, keepdim=True)  # [n, γ, 1]
+        lse = z_max - p.gather(-1, arg).log()  # [n, γ, 1]
+        nll = (lse - z.gather(-1, target_ids.unsqueeze(-1))).squeeze(-1)  # [n, γ]
+        diff = p - target_probs  # [n, γ, V]
+        l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)  # [n, γ]
+        ctx.save_for_backward(p, diff, target_ids)
+        ctx.logits_dtype = draft_logits.dtype
+        return nll, l1
+
+    @staticmethod
+    def backward(ctx, grad_nll: torch.Tensor, grad_l1: torch.Tensor):
+        p, diff, target_ids = ctx.saved_tensors
+        g_nll, g_l1 = grad_nll.unsqueeze(-1), grad_l1.unsqueeze(-1)  # [n, γ, 1]
+        sp = torch.sign(diff).mul_(p)  # [n, γ, V] s ⊙ p
+        dot = sp.sum(dim=-1, keepdim=True)  # [n, γ, 1] ⟨s, p⟩
+        # g = g_l1 (s ⊙ p - p ⟨s, p⟩) + g_nll (p - onehot)
+        grad = sp.mul_(g_l1).addcmul_(p, g_nll - g_l1 * dot)  # [n, γ, V]
+        grad.scatter_add_(-1, target_ids.unsqueeze(-1), -g_nll)
+        return grad.to(ctx.logits_dtype), None, None
+
+
+def vocab_loss_terms(
+    draft_logits: torch.Tensor,  # [n, γ, V] U + B (any float dtype; computed in fp32)
+    target_probs: torch.Tensor,  # [n, γ, V] p_t (no gradient)
+    target_ids: torch.Tensor,  # [n, γ] int64 x*_k
+) -> tuple[torch.Tensor, torch.Tensor]:  # nll [n, γ], l1 [n, γ] fp32 (differentiable in draft_logits)
+    """Per position -log p_d(x*) and ‖p_d - p_t‖₁ (the summands of L_ce and L_tv, and c* = 1 - ½ l1),
+    fused: equal to `ce_loss` / `tv_loss` before their weighted mean (tested)."""
+    return _VocabTerms.apply(draft_logits, target_probs.detach().float(), target_ids)
+
+
 @dataclass
 class DSparkLoss:
     total: torch.Tensor  # [] L = ce_weight L_ce + tv_weight L_tv + conf_weight L_conf
@@ -142,11 +190,11 @@ def dspark_loss(
     if mask is not None and tuple(mask.shape) != (n, gamma):
         raise ValueError(f"expected mask [{n}, {gamma}], got {list(mask.shape)}")
     weights = position_weights(gamma, decay=position_decay, device=draft_logits.device)
-    draft_probs = torch.softmax(draft_logits.float(), dim=-1)  # [n, γ, V]
-    target_probs = target_probs.detach().float()
-    c_star = acceptance_rate(draft_probs, target_probs).detach()  # [n, γ]
-    ce = ce_loss(draft_logits, target_ids, weights, mask)
-    tv = tv_loss(draft_probs, target_probs, weights, mask)
+    # one fused pass over the vocabulary (the plain composition is ce_loss, tv_loss, acceptance_rate)
+    nll, l1 = vocab_loss_terms(draft_logits, target_probs, target_ids)  # [n, γ] each
+    c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [n, γ] acceptance_rate of p_d, p_t
+    ce = weighted_mean(nll, weights, mask)
+    tv = weighted_mean(l1, weights, mask)
     conf = confidence_loss(confidence_logits, c_star, weights, mask)
     total = ce_weight * ce + tv_weight * tv + conf_weight * conf
     return DSparkLoss(total=total, ce=ce, tv=tv, conf=conf, c_star=c_star)
@@ -173,5 +221,5 @@ def expected_accepted_length(
 __all__ = [
     "DSparkLoss", "acceptance_rate", "ce_loss", "confidence_loss", "dspark_loss", "expected_acceptance",
     "expected_accepted_length", "label_positions", "position_weights", "target_hidden_positions",
-    "target_probs_from_hidden", "tv_loss", "weighted_mean",
+    "target_probs_from_hidden", "tv_loss", "vocab_loss_terms", "weighted_mean",
 ]

@@ -247,6 +247,19 @@ def test_teacher_forced_logits_add_the_markov_bias_of_the_ground_truth_previous_
     torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_forward_valid_equals_forward_restricted_to_the_valid_blocks(target):
+    drafter = make_drafter(target)
+    with torch.no_grad():
+        drafter.head.w2.normal_(0, 0.1)  # a non-zero Markov bias
+    batch = sample_batch()  # row 1 has one valid block and two padding blocks
+    targets = torch.randint(0, VOCAB, (2, 3, 4), generator=torch.Generator().manual_seed(0))
+    out = drafter(batch, target_tokens=targets)
+    logits, conf = drafter.forward_valid(batch, target_tokens=targets)
+    assert logits.shape[0] == int(batch.block_valid.sum()) == 4
+    torch.testing.assert_close(logits, out.logits[batch.block_valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conf, out.confidence_logits[batch.block_valid], atol=1e-5, rtol=1e-5)
+
+
 def test_markov_teacher_forced_bias_equals_the_stepwise_bias():
     head = MarkovHead(vocab_size=VOCAB, rank=8)
     torch.nn.init.normal_(head.w2)

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dspark.training.losses import (
     acceptance_rate,
@@ -23,6 +24,7 @@ from dspark.training.losses import (
     target_hidden_positions,
     target_probs_from_hidden,
     tv_loss,
+    vocab_loss_terms,
 )
 
 # One block, γ = 2, V = 3. Draft logits give p_d; target rows are written as probabilities.
@@ -90,6 +92,38 @@ def test_masked_positions_do_not_count():
                       confidence_logits=torch.zeros(1, 2), mask=mask)
     assert out.ce.item() == pytest.approx(-math.log(0.5), rel=1e-6)
     assert out.tv.item() == pytest.approx(0.4, rel=1e-6)
+
+
+def _plain_dspark_loss(logits, ids, p_t, conf_logits, mask):
+    # the loss composed from the plain terms (ce_loss, tv_loss, acceptance_rate), autograd end to end
+    w = position_weights(logits.shape[1], decay=4.0)
+    p_d = torch.softmax(logits.float(), dim=-1)
+    c_star = acceptance_rate(p_d, p_t).detach()
+    return 0.1 * ce_loss(logits, ids, w, mask) + 0.9 * tv_loss(p_d, p_t, w, mask) + confidence_loss(conf_logits, c_star, w, mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_vocabulary_terms_match_the_plain_loss_in_value_and_gradient(dtype):
+    g = torch.Generator().manual_seed(0)
+    n, gamma, vocab = 5, 4, 300
+    logits = (3 * torch.randn(n, gamma, vocab, generator=g)).to(dtype)
+    p_t = torch.softmax(3 * torch.randn(n, gamma, vocab, generator=g), dim=-1)
+    p_t[0, 0] = torch.softmax(logits[0, 0].float(), dim=-1)  # p_d == p_t: sign(0) = 0, as autograd's abs
+    ids = torch.randint(0, vocab, (n, gamma), generator=g)
+    mask = torch.rand(n, gamma, generator=g) > 0.2
+    conf_logits = torch.randn(n, gamma, generator=g)
+    nll, l1 = vocab_loss_terms(logits, p_t, ids)
+    torch.testing.assert_close(nll, F.cross_entropy(logits.float().reshape(-1, vocab), ids.reshape(-1), reduction="none").view(n, gamma))
+    torch.testing.assert_close(l1, (torch.softmax(logits.float(), -1) - p_t).abs().sum(-1))
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    fused = dspark_loss(draft_logits=a, target_ids=ids, target_probs=p_t, confidence_logits=conf_logits, mask=mask)
+    plain = _plain_dspark_loss(b, ids, p_t, conf_logits, mask)
+    torch.testing.assert_close(fused.total, plain)
+    fused.total.backward()
+    plain.backward()
+    assert a.grad.dtype == dtype
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-4, "rtol": 2e-2}  # bf16: one rounding vs two
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), **tol)
 
 
 def test_loss_rejects_mismatched_shapes_naming_what_it_got():

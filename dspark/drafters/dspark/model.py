@@ -395,14 +395,26 @@ class DSparkDrafter(ParallelBackbone):
         hidden = self.encode(batch)  # [rows, nb, γ, hidden]
         prev = torch.cat([batch.anchor_tokens.unsqueeze(-1), target_tokens[..., :-1]], dim=-1)  # [rows, nb, γ] x_0, x*_1..x*_{γ-1}
         n = batch.num_rows * batch.blocks_per_row
-        logits, conf = teacher_forced_logits(
-            base_logits=self.base_logits(hidden).view(n, c.block_size, -1),
-            hidden=hidden.view(n, c.block_size, -1),
-            prev_tokens=prev.reshape(n, c.block_size),
-            head=self.head,
-            confidence_head=self.confidence_head,
-        )
+        logits, conf = self._teacher_forced_heads(hidden.view(n, c.block_size, -1), prev.reshape(n, c.block_size))
         return TeacherForcedOutput(logits=logits.view(*expected, -1), confidence_logits=conf.view(expected), hidden=hidden)
+
+    def forward_valid(self, batch: BlockBatch, *, target_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` on the VALID blocks only (row-major, as `[batch.block_valid]`): draft logits
+        [n, γ, V] and confidence logits [n, γ]. Training's path: padding blocks never reach the
+        vocabulary-sized LM head and Markov products (nor their backward)."""
+        c = self.config
+        expected = (*batch.anchor_positions.shape, c.block_size)
+        if tuple(target_tokens.shape) != expected:
+            raise ValueError(f"target_tokens must be [rows, blocks_per_row, γ] = {list(expected)}, got {list(target_tokens.shape)}")
+        valid = batch.block_valid  # [rows, nb]
+        hidden = self.encode(batch)[valid]  # [n, γ, hidden]
+        prev = torch.cat([batch.anchor_tokens.unsqueeze(-1), target_tokens[..., :-1]], dim=-1)[valid]  # [n, γ]
+        return self._teacher_forced_heads(hidden, prev)
+
+    def _teacher_forced_heads(self, hidden: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # hidden: [n, γ, hidden] h_k; prev: [n, γ] x_0, x*_1..x*_{γ-1} -> logits [n, γ, V], confidence logits [n, γ]
+        return teacher_forced_logits(base_logits=self.base_logits(hidden), hidden=hidden, prev_tokens=prev,
+                                     head=self.head, confidence_head=self.confidence_head)
 
     @torch.no_grad()
     def draft(
