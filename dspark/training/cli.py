@@ -4,8 +4,10 @@
     dspark train --cache C --out RUN --steps 2000 [--batch-seqs 8] [--resume]   # RUN/final
     dspark train --algo dflash|eagle3 --cache C --out RUN ...                   # the baselines, same cache
     dspark calibrate --drafter RUN/final --cache C --out RUN/final              # STS -> sts.json + PNG
+    dspark heldout --drafter RUN/final --algo dspark --cache C                  # held-out τ, c*_k (no target run)
+    dspark runs A=RUN_A B=RUN_B --reference B --plot runs.png                   # compare finished runs
 
-`add_train_parsers(subparsers)` registers the three subcommands on dspark/cli.py's parser.
+`add_train_parsers(subparsers)` registers the subcommands on dspark/cli.py's parser.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ def cmd_train(args) -> int:
             grad_clip=args.grad_clip, layers=args.layers if args.layers is not None else (1 if args.algo == "eagle3" else 2),
             block_size=args.block_size, markov_rank=args.markov_rank,
             head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every,
-            precision=_resolve_precision(args.precision),
+            eval_every=args.eval_every, precision=_resolve_precision(args.precision),
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -106,6 +108,39 @@ def cmd_train(args) -> int:
                    run_dir=args.out, resume=args.resume, device=_resolve_device(args.device), progress=not args.no_progress)
     print(json.dumps({**result.summary, "final": str(result.final_dir)}))
     return 0
+
+
+def cmd_heldout(args) -> int:
+    """Evaluate a trained drafter checkpoint on a cache's held-out split (what training logs at its end)."""
+    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.training.heldout import evaluate_heldout
+    from dspark.training.target_cache import TargetCache
+    from dspark.training.trainer import ALGORITHMS
+
+    cache = TargetCache(args.cache)
+    target = _target_for_cache(cache, args.model, args.target_dtype)
+    device = _resolve_device(args.device)
+    algo = ALGORITHMS[args.algo]
+    try:
+        model = algo.load(Path(args.drafter), shared=SharedWeights.from_target(target), device=device)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"error: cannot load a {args.algo} drafter from {args.drafter}: {e}", file=sys.stderr)
+        return 2
+    block_size = model.config.block_size
+    result = evaluate_heldout(algo, model, cache, split=args.split, block_size=block_size, anchors_per_seq=args.anchors_per_seq,
+                              batch_seqs=args.batch_seqs, seed=args.seed, max_sequences=args.max_sequences, device=device,
+                              precision=_resolve_precision(args.precision))
+    if result is None:
+        print(f"error: no {args.split!r} sequences with an anchor in {args.cache}", file=sys.stderr)
+        return 2
+    print(json.dumps({"drafter": args.drafter, "algo": args.algo, "block_size": block_size, **result.to_dict()}))
+    return 0
+
+
+def _cmd_runs(args) -> int:
+    from dspark.training.run_report import cmd_runs
+
+    return cmd_runs(args)
 
 
 def cmd_calibrate(args) -> int:
@@ -191,6 +226,8 @@ def add_train_parsers(subparsers) -> None:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--split", default="train", choices=["train", "heldout", "all"])
     t.add_argument("--checkpoint-every", type=int, default=500)
+    t.add_argument("--eval-every", type=int, default=0,
+                   help="evaluate on the cache's held-out split every N steps (0: only at the end); 'eval' lines in metrics.jsonl")
     t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
                    help="bf16: autocast the drafter's matmuls (labels stay fp32); auto: bf16 on CUDA or a CPU with native bf16")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
@@ -199,6 +236,27 @@ def add_train_parsers(subparsers) -> None:
     t.add_argument("--no-progress", action="store_true")
     _add_model_args(t, default_model=None)
     t.set_defaults(func=cmd_train)
+
+    h = subparsers.add_parser("heldout", help="analytic acceptance of a trained drafter on the cache's held-out split")
+    h.add_argument("--drafter", required=True, help="drafter checkpoint directory (RUN/final)")
+    h.add_argument("--algo", default="dspark", choices=["dspark", "dflash", "eagle3"], help="the drafter's family")
+    h.add_argument("--cache", required=True)
+    h.add_argument("--split", default="heldout", choices=["train", "heldout", "all"])
+    h.add_argument("--anchors-per-seq", type=int, default=16, help="as the training recipe, so the numbers match its log")
+    h.add_argument("--batch-seqs", type=int, default=4)
+    h.add_argument("--max-sequences", type=int, default=None)
+    h.add_argument("--seed", type=int, default=0, help="the anchors' seed (the training run's seed gives its logged numbers)")
+    h.add_argument("--precision", default="auto", choices=["fp32", "bf16", "auto"])
+    h.add_argument("--device", default="cpu")
+    _add_model_args(h, default_model=None)
+    h.set_defaults(func=cmd_heldout)
+
+    r = subparsers.add_parser("runs", help="compare finished training runs by their held-out acceptance")
+    r.add_argument("runs", nargs="+", metavar="[LABEL=]RUN_DIR")
+    r.add_argument("--reference", default=None, help="label whose τ the others are divided by")
+    r.add_argument("--out", default=None, help="results JSON")
+    r.add_argument("--plot", default=None, help="PNG of held-out τ over steps (needs the runs' --eval-every)")
+    r.set_defaults(func=_cmd_runs)
 
     k = subparsers.add_parser("calibrate", help="fit STS temperatures on held-out acceptance")
     k.add_argument("--drafter", required=True, help="drafter checkpoint directory (RUN/final)")
@@ -223,4 +281,4 @@ def add_train_parsers(subparsers) -> None:
     e.set_defaults(func=cmd_export)
 
 
-__all__ = ["add_train_parsers", "cmd_cache", "cmd_calibrate", "cmd_export", "cmd_train"]
+__all__ = ["add_train_parsers", "cmd_cache", "cmd_calibrate", "cmd_export", "cmd_heldout", "cmd_train"]

@@ -63,6 +63,7 @@ from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import TrainBatch, plan_batches, sample_batch
+from dspark.training.heldout import evaluate_heldout
 from dspark.training.losses import (
     acceptance_rate,
     ce_loss,
@@ -105,6 +106,7 @@ class TrainConfig:
     split: str = "train"
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
+    eval_every: int = 0  # held-out evaluation every N steps (0: only at the end; heldout.py)
     precision: str = "fp32"  # "fp32" | "bf16" (autocast; for CUDA)
 
     def __post_init__(self) -> None:
@@ -121,6 +123,8 @@ class TrainConfig:
         for name in ("batch_seqs", "anchors_per_seq", "layers", "block_size", "markov_rank", "checkpoint_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.algo == "eagle3" and self.layers != 1:
             raise ValueError(f"EAGLE-3 is a one-layer drafter: layers must be 1, got {self.layers}")
 
@@ -133,6 +137,7 @@ class TrainConfig:
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
         d = dict(d)
         d["betas"] = tuple(d["betas"])
+        d.setdefault("eval_every", 0)  # run directories written before held-out evaluation existed
         return cls(**d)
 
 
@@ -165,15 +170,15 @@ class DSparkAlgorithm:
 
     def loss(self, model: DSparkDrafter, batch: TrainBatch) -> StepLoss:
         c = model.config
-        out = model(batch.blocks, target_tokens=batch.target_tokens)
-        valid = batch.blocks.block_valid  # [rows, nb]: padding blocks carry no loss
-        logits = out.logits[valid]  # [n, γ, V]
+        # valid blocks only: padding blocks carry no loss, so they skip the vocabulary-sized products
+        logits, confidence_logits = model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)  # [n, γ, V], [n, γ]
+        valid = batch.blocks.block_valid  # [rows, nb]
         n, gamma, vocab = logits.shape
         mask = batch.label_mask[valid]  # [n, γ]
         with torch.no_grad():
             p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head).view(n, gamma, vocab)
         loss = dspark_loss(draft_logits=logits, target_ids=batch.target_tokens[valid], target_probs=p_t,
-                           confidence_logits=out.confidence_logits[valid], mask=mask, ce_weight=c.ce_weight,
+                           confidence_logits=confidence_logits, mask=mask, ce_weight=c.ce_weight,
                            tv_weight=c.tv_weight, conf_weight=c.conf_weight, position_decay=c.position_decay)
         acc = expected_acceptance(loss.c_star, mask)  # [γ]
         metrics = {
@@ -404,7 +409,7 @@ def train(
     start = 0
     if resume and (ckpt_root / LATEST_FILE).exists():
         saved = TrainConfig.from_dict(json.loads((run / CONFIG_FILE).read_text()))
-        if saved != config:
+        if saved != dataclasses.replace(config, eval_every=saved.eval_every):  # how often to evaluate may change
             diff = {k: (v, getattr(config, k)) for k, v in saved.to_dict().items() if v != config.to_dict()[k]}
             raise ValueError(f"--resume with different settings than {run / CONFIG_FILE} (saved, given): {diff}")
         ckpt = ckpt_root / (ckpt_root / LATEST_FILE).read_text().strip()
@@ -434,6 +439,7 @@ def train(
     model.train()
     stop = total if stop_after is None else min(total, stop_after)
     losses: list[float] = []
+    heldout: dict[str, Any] | None = None
     t0 = time.perf_counter()
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.precision == "bf16")
     bar = tqdm(total=total, initial=start, disable=not progress, desc="train", dynamic_ncols=True)
@@ -463,6 +469,12 @@ def train(
             bar.set_postfix(loss=f"{entry['loss']:.3f}", tv=f"{entry['tv']:.3f}", acc=f"{entry['acc']:.3f}", tau=f"{entry['tau']:.2f}")
             bar.update(1)
             step += 1
+            if config.eval_every and (step % config.eval_every == 0 or step == total):
+                # before the checkpoint: a resume from step s keeps the evaluation of step s
+                heldout = _evaluate(algo, model, cache, config, device)
+                if heldout is not None:
+                    log.write(json.dumps({"event": "eval", "step": step, **heldout}) + "\n")
+                    log.flush()
             if step % config.checkpoint_every == 0 or step == stop:
                 _save_training_checkpoint(run, algo, model, optimizer, step=step, context_tokens=tokens_done,
                                           label_tokens=labels_done, wall_s=wall_before + time.perf_counter() - t0,
@@ -473,6 +485,8 @@ def train(
                                    "wall_s": round(wall, 3), "context_tokens": tokens_done, "label_tokens": labels_done,
                                    "label_tokens_per_s": round(labels_done / wall, 1) if wall > 0 else None,
                                    **peak_memory_mb(device)}
+        if step >= total:
+            summary["heldout"] = heldout if heldout is not None else _evaluate(algo, model, cache, config, device)
         log.write(json.dumps(summary) + "\n")
     finally:
         log.close()
@@ -480,6 +494,15 @@ def train(
     if step >= total:
         algo.save(model, final)
     return TrainResult(run_dir=run, final_dir=final, steps=step, losses=losses, summary=summary)
+
+
+def _evaluate(algo: DrafterAlgorithm, model: nn.Module, cache: TargetCache, config: TrainConfig,
+              device: torch.device) -> dict[str, Any] | None:
+    """Held-out diagnostics on the cache's held-out split, anchors as dense as in training."""
+    result = evaluate_heldout(algo, model, cache, split="heldout", block_size=config.block_size,
+                              anchors_per_seq=config.anchors_per_seq, batch_seqs=config.batch_seqs,
+                              seed=config.seed, device=device, precision=config.precision)
+    return None if result is None else result.to_dict()
 
 
 def _make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
@@ -511,7 +534,10 @@ def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines of steps after `step` (and end markers): they are recomputed on resume."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step and "event" not in json.loads(line)]
+    def kept(entry: dict[str, Any]) -> bool:
+        return entry.get("step", 0) <= step and entry.get("event") in (None, "eval")
+
+    keep = [line for line in path.read_text().splitlines() if line and kept(json.loads(line))]
     path.write_text("".join(line + "\n" for line in keep))
 
 
