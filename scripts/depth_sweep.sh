@@ -6,14 +6,16 @@
 # every EVAL_EVERY steps (analytic acceptance at T = 1, no target run: dspark/training/heldout.py).
 # Run scripts/train_default_drafter.sh's data and cache steps first (same RUN_DIR). Resumable.
 #   bash scripts/depth_sweep.sh [RUN_DIR]          # default RUN_DIR: runs/default-drafter
-# Knobs (environment): STEPS (per run, default 500), DEPTHS (default 1,2,5), EVAL_EVERY (100),
-# PRECISION; OUT (results JSON, default docs/results/depth_sweep.json; the plot goes beside it).
+# Knobs (environment): STEPS (per run, default 500), DEPTHS (default 1,2,5), RANKS (Markov head
+# ranks of extra one-layer DSpark runs, e.g. 256; default none), EVAL_EVERY (100), PRECISION;
+# OUT (results JSON, default docs/results/depth_sweep.json; the plot goes beside it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-500}
 source scripts/drafter_recipe.sh
 RUN=${1:-runs/default-drafter}
 DEPTHS=${DEPTHS:-1,2,5}
+RANKS=${RANKS:-}
 EVAL_EVERY=${EVAL_EVERY:-100}
 OUT=${OUT:-docs/results/depth_sweep.json}
 D=.venv/bin/dspark
@@ -30,5 +32,8 @@ train eagle3 eagle3 1
 for layers in ${DEPTHS//,/ }; do
     train "dflash-${layers}L" dflash "$layers"
     train "dspark-${layers}L" dspark "$layers" "${DSPARK_FLAGS[@]}"
+done
+for rank in ${RANKS//,/ }; do
+    train "dspark-1L-r${rank}" dspark 1 "${DSPARK_FLAGS[@]}" --markov-rank "$rank"  # the last --markov-rank wins
 done
 $D runs "${labels[@]}" --reference dflash-1L --out "$OUT" --plot "${OUT%.json}.png"

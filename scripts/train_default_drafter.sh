@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/drafter_recipe.sh
 RUN=${1:-runs/default-drafter}
-RESPONSES=${RESPONSES:-2000}
+RESPONSES=${RESPONSES:-1400}
 DST=dspark/drafters/checkpoints/dspark-smollm2-135m-instruct
 D=.venv/bin/dspark
 mkdir -p "$RUN"
