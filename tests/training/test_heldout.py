@@ -122,7 +122,7 @@ def test_the_runs_command_tabulates_plots_and_refuses_unfinished_runs(cache, tar
     assert main(["runs", f"one={tmp_path / 'a'}", f"two={tmp_path / 'b'}", "--reference", "two",
                  "--out", str(out), "--plot", str(plot)]) == 0
     table = capsys.readouterr().out
-    assert "| one | dspark | 1 | 4 |" in table and "τ / two" in table
+    assert "| one | dspark | 1 | 4 | 4 |" in table and "τ / two" in table
     payload = json.loads(out.read_text())
     assert [r["label"] for r in payload["runs"]] == ["one", "two"]
     assert [step for step, _ in payload["runs"][0]["curve"]] == [2, 4]
@@ -131,3 +131,26 @@ def test_the_runs_command_tabulates_plots_and_refuses_unfinished_runs(cache, tar
     assert main(["runs", str(tmp_path / "cut")]) == 2
     assert "not finished" in capsys.readouterr().err
     assert main(["runs", str(tmp_path / "a"), "--reference", "nope"]) == 2
+
+
+def test_runs_at_several_block_sizes_are_each_compared_with_the_reference_at_their_own_block_size(cache, target, tmp_path, capsys):  # noqa: F811
+    from dspark.cli import main
+
+    dirs = {}
+    for algo in ("dspark", "dflash"):
+        for gamma in (2, 4):
+            dirs[f"{algo}-g{gamma}"] = tmp_path / f"{algo}-g{gamma}"
+            run(tiny_config(steps=2, algo=algo, block_size=gamma), cache, target, dirs[f"{algo}-g{gamma}"])
+    out, plot = tmp_path / "runs.json", tmp_path / "runs.png"
+    assert main(["runs", *(f"{k}={v}" for k, v in dirs.items()), "--reference", "dflash-g2",
+                 "--out", str(out), "--plot", str(plot)]) == 0
+    assert "τ / dflash 1L, same γ" in capsys.readouterr().out
+    runs = {r["label"]: r for r in json.loads(out.read_text())["runs"]}
+    assert [runs[k]["block_size"] for k in dirs] == [2, 4, 2, 4]
+    assert len(runs["dspark-g4"]["heldout_acc_per_pos"]) == 4
+    for gamma in (2, 4):  # divided by DFlash at the same γ, never by DFlash at γ = 2 alone
+        assert runs[f"dspark-g{gamma}"]["tau_over_reference"] == pytest.approx(
+            runs[f"dspark-g{gamma}"]["heldout_tau"] / runs[f"dflash-g{gamma}"]["heldout_tau"])
+        assert runs[f"dflash-g{gamma}"]["tau_over_reference"] == pytest.approx(1.0)
+    assert runs["dspark-g2"]["markov_rank"] == 16 and runs["dflash-g2"]["markov_rank"] is None
+    assert plot.stat().st_size > 0
