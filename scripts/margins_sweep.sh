@@ -13,7 +13,7 @@
 # one-layer DSpark runs, e.g. 256; default none), EVAL_EVERY (100), PRECISION;
 # OUT (results JSON, default docs/results/margins_sweep.json; the plot goes beside it).
 #   STEPS=400 DEPTHS=1,2,5 RANKS=256 OUT=docs/results/depth_sweep.json bash scripts/margins_sweep.sh
-#   STEPS=300 ALGOS=dspark,dflash BLOCKS=4,16,8,12 DEPTHS=1 OUT=docs/results/block_sweep.json bash scripts/margins_sweep.sh
+#   STEPS=300 PRECISION=fp32 ALGOS=dspark,dflash BLOCKS=4,8,12,16 DEPTHS=1 OUT=docs/results/block_sweep.json bash scripts/margins_sweep.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-500}
