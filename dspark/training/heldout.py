@@ -40,11 +40,16 @@ class HeldoutResult:
     acc: float  # mean c* over every labelled position
     tau: float  # expected accepted length per round, bonus included
     acc_per_pos: list[float]  # [γ] mean conditional c*_k
+    # temperature 0 (losses.greedy_acceptance): argmax agreement along the data's tokens
+    greedy_tau: float | None = None  # mean accepted length of a greedy round, bonus included
+    greedy_acc_per_pos: list[float] | None = None  # [γ] conditional argmax agreement
 
     def to_dict(self) -> dict[str, Any]:
         return {"split": self.split, "sequences": self.sequences, "blocks": self.blocks, "labels": self.labels,
                 "tv": round(self.tv, 5), "acc": round(self.acc, 5), "tau": round(self.tau, 5),
-                "acc_per_pos": [round(a, 4) for a in self.acc_per_pos]}
+                "acc_per_pos": [round(a, 4) for a in self.acc_per_pos],
+                "greedy_tau": None if self.greedy_tau is None else round(self.greedy_tau, 5),
+                "greedy_acc_per_pos": None if self.greedy_acc_per_pos is None else [round(a, 4) for a in self.greedy_acc_per_pos]}
 
 
 @torch.no_grad()
@@ -75,6 +80,9 @@ def evaluate_heldout(
     pos_sum = torch.zeros(block_size, dtype=torch.float64)  # [γ] Σ over batches of blocks_k · mean c*_k
     pos_weight = torch.zeros(block_size, dtype=torch.float64)  # [γ] blocks with a label at k
     blocks = labels = 0
+    greedy_tau_sum = 0.0
+    greedy_hits = torch.zeros(block_size, dtype=torch.float64)  # [γ]
+    greedy_tries = torch.zeros(block_size, dtype=torch.float64)  # [γ]
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -93,6 +101,10 @@ def evaluate_heldout(
                 per_pos = torch.tensor(metrics["acc_per_pos"], dtype=torch.float64).nan_to_num(0.0)
                 pos_sum += per_pos * valid
                 pos_weight += valid
+                tries = torch.tensor(metrics["greedy_tries_per_pos"], dtype=torch.float64)
+                greedy_tries += tries
+                greedy_hits += torch.tensor(metrics["greedy_hits_per_pos"], dtype=torch.float64)
+                greedy_tau_sum += metrics["greedy_tau"] * n_blocks
                 blocks += n_blocks
                 labels += n_labels
     finally:
@@ -101,7 +113,8 @@ def evaluate_heldout(
         return None
     return HeldoutResult(split=split, sequences=len(indices), blocks=blocks, labels=labels, tv=sums["tv"] / labels,
                          acc=sums["acc"] / labels, tau=sums["tau"] / blocks,
-                         acc_per_pos=(pos_sum / pos_weight.clamp_min(1)).tolist())
+                         acc_per_pos=(pos_sum / pos_weight.clamp_min(1)).tolist(), greedy_tau=greedy_tau_sum / blocks,
+                         greedy_acc_per_pos=(greedy_hits / greedy_tries.clamp_min(1)).tolist())
 
 
 __all__ = ["EVAL_EPOCH", "HeldoutResult", "evaluate_heldout"]

@@ -12,6 +12,10 @@ Per block, position k = 1..γ (anchor x_0 at absolute position t):
     c*_k   = 1 - ½‖p_d_k - p_t_k‖₁   (analytic acceptance rate, detached)
     L_conf = -Σ w_k [c*_k log c_k + (1-c*_k) log(1-c_k)]                (Eq. L_conf)
     L      = 0.1 L_ce + 0.9 L_tv + 1.0 L_conf
+With a draft vocabulary D of N tokens (p_d = 0 outside D) the vocabulary-sized work runs over D
+only: ‖p_d - p_t‖₁ = Σ_{v∈D} |p_d(v) - p_t(v)| + (1 - Σ_{v∈D} p_t(v)) (the target's mass outside
+D, a constant of the drafter), and L_ce skips labels outside D (p_d(x*) = 0 there: they are
+unreachable, as in EAGLE-3's draft-vocabulary training).
 Normalisation (as DeepSpec): every Σ is a weighted MEAN over all blocks and positions,
 Σ_{i,k} w_k m_ik ℓ_ik / Σ_{i,k} w_k m_ik, where m masks positions without a label (past the end
 of the sequence, outside the response). Run the tests: python -m pytest tests/training -q
@@ -130,7 +134,7 @@ class _VocabTerms(torch.autograd.Function):
         # lse = max - log p_max never sees an underflowed p (no second exp pass over [n, γ, V])
         z_max, arg = z.max(dim=-1, keepdim=True)  # [n, γ, 1]
         lse = z_max - p.gather(-1, arg).log()  # [n, γ, 1]
-        nll = (lse - z.gather(-1, target_ids.unsqueeze(-1))).squeeze(-1)  # [n, γ]
+        nll = (lse - z.gather(-1, target_ids.clamp(min=0).unsqueeze(-1))).squeeze(-1)  # [n, γ] (-1: outside, masked by the caller)
         diff = p - target_probs  # [n, γ, V]
         l1 = torch.linalg.vector_norm(diff, ord=1, dim=-1)  # [n, γ]
         ctx.save_for_backward(p, diff, target_ids)
@@ -145,7 +149,7 @@ class _VocabTerms(torch.autograd.Function):
         dot = sp.sum(dim=-1, keepdim=True)  # [n, γ, 1] ⟨s, p⟩
         # g = g_l1 (s ⊙ p - p ⟨s, p⟩) + g_nll (p - onehot)
         grad = sp.mul_(g_l1).addcmul_(p, g_nll - g_l1 * dot)  # [n, γ, V]
-        grad.scatter_add_(-1, target_ids.unsqueeze(-1), -g_nll)
+        grad.scatter_add_(-1, target_ids.clamp(min=0).unsqueeze(-1), -g_nll * (target_ids >= 0).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None
 
 
@@ -170,11 +174,12 @@ class DSparkLoss:
 
 def dspark_loss(
     *,
-    draft_logits: torch.Tensor,  # [n, γ, V] teacher-forced U + B
-    target_ids: torch.Tensor,  # [n, γ] int64 x*_k
-    target_probs: torch.Tensor,  # [n, γ, V] p_t (no gradient)
+    draft_logits: torch.Tensor,  # [n, γ, N] teacher-forced U + B (N = V, or the draft vocabulary)
+    target_ids: torch.Tensor,  # [n, γ] int64 x*_k as indices into the N columns; -1 = outside the draft vocabulary
+    target_probs: torch.Tensor,  # [n, γ, N] p_t on the same N columns (no gradient)
     confidence_logits: torch.Tensor,  # [n, γ]
     mask: torch.Tensor | None = None,  # [n, γ] bool, True = position has a label
+    outside_mass: torch.Tensor | None = None,  # [n, γ] p_t's mass on the V - N tokens the drafter cannot propose
     ce_weight: float = 0.1,
     tv_weight: float = 0.9,
     conf_weight: float = 1.0,
@@ -192,8 +197,11 @@ def dspark_loss(
     weights = position_weights(gamma, decay=position_decay, device=draft_logits.device)
     # one fused pass over the vocabulary (the plain composition is ce_loss, tv_loss, acceptance_rate)
     nll, l1 = vocab_loss_terms(draft_logits, target_probs, target_ids)  # [n, γ] each
+    if outside_mass is not None:
+        l1 = l1 + outside_mass.detach().float()  # |0 - p_t(v)| summed over v ∉ D
     c_star = (1.0 - 0.5 * l1.detach()).clamp(0.0, 1.0)  # [n, γ] acceptance_rate of p_d, p_t
-    ce = weighted_mean(nll, weights, mask)
+    in_vocab = target_ids >= 0  # [n, γ]
+    ce = weighted_mean(nll, weights, in_vocab if mask is None else mask & in_vocab)
     tv = weighted_mean(l1, weights, mask)
     conf = confidence_loss(confidence_logits, c_star, weights, mask)
     total = ce_weight * ce + tv_weight * tv + conf_weight * conf
@@ -210,6 +218,24 @@ def expected_acceptance(
 
 
 @torch.no_grad()
+def greedy_acceptance(
+    draft_argmax: torch.Tensor,  # [n, γ] int64 argmax of p_d_k (target ids), teacher forced
+    target_argmax: torch.Tensor,  # [n, γ] int64 argmax of p_t_k
+    mask: torch.Tensor | None = None,  # [n, γ] bool, a prefix per row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tau [], hits [γ], tries [γ]
+    """Acceptance at temperature 0: draft k survives iff it equals the target's argmax and every
+    earlier one did. tau = mean over blocks of 1 + (leading matches), bonus included; hits_k /
+    tries_k is the conditional acceptance at k (tries_k: blocks whose drafts 1..k-1 all survived
+    and that have a label at k). Teacher forced along the data's tokens, which for greedy
+    regenerations ARE the target's argmax chain: then this is the served greedy acceptance."""
+    m = torch.ones_like(draft_argmax, dtype=torch.bool) if mask is None else mask
+    run = ((draft_argmax == target_argmax) & m).long().cumprod(dim=-1)  # [n, γ] 1 while all matched
+    reached = torch.cat([torch.ones_like(run[:, :1]), run[:, :-1]], dim=-1) * m.long()  # [n, γ]
+    tau = (1.0 + run.sum(-1).double()).mean()
+    return tau, run.sum(0), reached.sum(0)
+
+
+@torch.no_grad()
 def expected_accepted_length(
     c_star: torch.Tensor,  # [n, γ]
     mask: torch.Tensor | None = None,  # [n, γ] bool, a prefix per row
@@ -220,6 +246,6 @@ def expected_accepted_length(
 
 __all__ = [
     "DSparkLoss", "acceptance_rate", "ce_loss", "confidence_loss", "dspark_loss", "expected_acceptance",
-    "expected_accepted_length", "label_positions", "position_weights", "target_hidden_positions",
+    "expected_accepted_length", "greedy_acceptance", "label_positions", "position_weights", "target_hidden_positions",
     "target_probs_from_hidden", "tv_loss", "vocab_loss_terms", "weighted_mean",
 ]
