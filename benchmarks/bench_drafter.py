@@ -1,6 +1,7 @@
 """Per-round cost of the DSpark drafter in serving mode against one target step.
 
     python benchmarks/bench_drafter.py --layers 1 --markov-rank 64 --context 200 --requests 1 4
+    python benchmarks/bench_drafter.py ... --draft-vocab-size 8192    # LM head / Markov head over N tokens
 
 Times `DSparkServingDrafter.propose` (backbone over cached context K/V, LM head, sequential head
 sampling, calibrated confidences) for a drafter of the given shape on the default target's
@@ -43,14 +44,17 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200, help="verified tokens per request")
     ap.add_argument("--requests", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--draft-vocab-size", type=int, default=None, help="N (the first N token ids: cost does not depend on which)")
     args = ap.parse_args()
 
     runtime = TargetRuntime.load(TargetConfig())
     config = DSparkConfig.from_target(runtime.config, num_layers=args.layers, markov_rank=args.markov_rank,
-                                      block_size=args.block_size, target_layer_ids=runtime.capture_layers)
+                                      block_size=args.block_size, target_layer_ids=runtime.capture_layers,
+                                      draft_vocab_size=args.draft_vocab_size)
     torch.manual_seed(0)
     model = DSparkDrafter(config, shared=SharedWeights.from_target(runtime.model))
-    drafter = DSparkServingDrafter(model, logits_fn=runtime.model.compute_logits)
+    # as DSparkServingDrafter.load wires it: the target's packed LM head only for the full vocabulary
+    drafter = DSparkServingDrafter(model, logits_fn=runtime.model.compute_logits if args.draft_vocab_size is None else None)
     m, d, gamma = len(runtime.capture_layers), runtime.config.hidden_size, args.block_size
     rows = []
     for r in args.requests:
@@ -75,7 +79,8 @@ def main() -> None:
         for rid in ids:
             drafter.remove_request(rid)
             runtime.free_request(rid)
-    print(f"DSpark drafter: {args.layers} layer(s), rank {args.markov_rank}, γ = {gamma}, context {args.context} tokens; "
+    print(f"DSpark drafter: {args.layers} layer(s), rank {args.markov_rank}, γ = {gamma}, context {args.context} tokens, "
+          f"draft vocabulary {config.output_vocab_size}; "
           f"median of {args.repeats}")
     print_table(["requests", "temperature", "draft ms", "verify ms (1+γ each)", "draft / verify"], rows)
 

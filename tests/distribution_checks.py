@@ -10,8 +10,10 @@ import torch
 from dspark.sampling.params import logits_to_probs
 
 
-def exact_sequence_probs(runtime, prompt: list[int], num_tokens: int) -> dict[tuple[int, ...], float]:
-    """P(t_1..t_n) under temperature-1 sampling, from the model's logits (one request per prefix)."""
+def exact_sequence_probs(runtime, prompt: list[int], num_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
+                         top_p: float = 1.0) -> dict[tuple[int, ...], float]:
+    """P(t_1..t_n) under sampling with these settings (the target's `logits_to_probs`), from the
+    model's logits (one request per prefix); continuations of probability 0 are left out."""
     probs = {(): 1.0}
     for depth in range(num_tokens):
         prefixes = list(probs)
@@ -22,10 +24,10 @@ def exact_sequence_probs(runtime, prompt: list[int], num_tokens: int) -> dict[tu
         tokens = torch.tensor([t for p in prefixes for t in prompt + list(p)])
         last_rows = torch.arange(1, len(prefixes) + 1) * length - 1
         logits = runtime.forward(ids, tokens, [length] * len(prefixes), logits_indices=last_rows).logits
-        step = logits_to_probs(logits, temperature=1.0).double()  # [num_prefixes, vocab]
+        step = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p).double()  # [num_prefixes, vocab]
         for rid in ids:
             runtime.free_request(rid)
-        probs = {p + (v,): probs[p] * float(step[i, v]) for i, p in enumerate(prefixes) for v in range(step.shape[1])}
+        probs = {p + (v,): probs[p] * float(step[i, v]) for i, p in enumerate(prefixes) for v in range(step.shape[1]) if step[i, v] > 0}
     return probs
 
 

@@ -177,15 +177,19 @@ def _auc(scores: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> floa
     return roc_auc(scores[mask], labels[mask]) if bool(mask.any()) else float("nan")
 
 
-def calibrate(data: AcceptanceData, *, out_dir: str | Path, block_size: int, title: str = "") -> CalibrationReport:
-    """Fit STS on `data`, write sts.json (temperatures), reliability.png and calibration.json in
-    `out_dir`, and return the per-position table (ECE and ROC-AUC of a_k against s_k)."""
+def calibrate(data: AcceptanceData, *, out_dir: str | Path, block_size: int, title: str = "",
+              regime: str = "sampled") -> CalibrationReport:
+    """Fit STS on `data`, write the regime's temperatures into sts.json and reliability.png and
+    calibration.json in `out_dir` (reliability_greedy.png, calibration_greedy.json for the greedy
+    regime: data collected at temperature 0, survival = argmax match), and return the
+    per-position table (ECE and ROC-AUC of a_k against s_k)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if data.confidence_logits.shape[1] != block_size:
         raise ValueError(f"data has {data.confidence_logits.shape[1]} positions, the drafter's block size is {block_size}")
     fit = fit_sts(data.confidence_logits, data.accepted, valid=data.valid)
-    save_temperatures(out, fit.temperatures, block_size=block_size)
+    save_temperatures(out, fit.temperatures, block_size=block_size, regime=regime)
+    suffix = "" if regime == "sampled" else f"_{regime}"
     ones = torch.ones(block_size)
     raw_a = cumulative_confidence(apply_temperatures(data.confidence_logits.double(), ones.double()))
     cal_a = cumulative_confidence(apply_temperatures(data.confidence_logits.double(), fit.temperatures.double()))
@@ -212,12 +216,12 @@ def calibrate(data: AcceptanceData, *, out_dir: str | Path, block_size: int, tit
     mean_before = float(np.nanmean([r["ece_before"] for r in rows]))
     mean_after = float(np.nanmean([r["ece_after"] for r in rows]))
     lines.append(f"mean ECE {100 * mean_before:.2f}% -> {100 * mean_after:.2f}% over {data.num_blocks} blocks")
-    png = plot_reliability(out / "reliability.png", {
+    png = plot_reliability(out / f"reliability{suffix}.png", {
         "raw": sts_diagrams(data.confidence_logits, data.accepted, ones, valid=data.valid),
         "STS": sts_diagrams(data.confidence_logits, data.accepted, fit.temperatures, valid=data.valid),
     }, title=title or "a_k vs observed prefix survival (held-out)")
     report = CalibrationReport(temperatures=fit.temperatures, rows=rows, png=png, table="\n".join(lines))
-    (out / "calibration.json").write_text(_nan_safe(report.to_json()))
+    (out / f"calibration{suffix}.json").write_text(_nan_safe(report.to_json()))
     return report
 
 

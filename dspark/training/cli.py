@@ -44,6 +44,8 @@ def cmd_cache(args) -> int:
     from dspark.training.target_cache import build_cache, read_responses
 
     records = read_responses(args.data_dir, split=args.split)
+    if args.shortest_prompts_first:  # ties by id: the order (and so the shard plan) is a function of the data
+        records = sorted(records, key=lambda r: (len(r.prompt_ids), r.id))
     if args.max_sequences is not None:
         records = records[: args.max_sequences]
     if not records:
@@ -94,18 +96,21 @@ def cmd_train(args) -> int:
             block_size=args.block_size, markov_rank=args.markov_rank,
             head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every,
             eval_every=args.eval_every, precision=_resolve_precision(args.precision),
+            draft_vocab_size=args.draft_vocab_size, init_from=args.init_from, eval_sequences=args.eval_sequences,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cache = TargetCache(args.cache)
+    eval_cache = TargetCache(args.eval_cache) if args.eval_cache else None
     target = _target_for_cache(cache, args.model, args.target_dtype)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     result = train(config, cache=cache, target_config=target.config, shared=SharedWeights.from_target(target),
-                   run_dir=args.out, resume=args.resume, device=_resolve_device(args.device), progress=not args.no_progress)
+                   run_dir=args.out, resume=args.resume, device=_resolve_device(args.device), progress=not args.no_progress,
+                   eval_cache=eval_cache)
     print(json.dumps({**result.summary, "final": str(result.final_dir)}))
     return 0
 
@@ -164,7 +169,8 @@ def cmd_calibrate(args) -> int:
                               batch_seqs=args.batch_seqs, temperature=args.temperature, seed=args.seed,
                               max_sequences=args.max_sequences, progress=not args.no_progress)
     out = Path(args.out or args.drafter)
-    report = calibrate(data, out_dir=out, block_size=drafter.config.block_size,
+    regime = "greedy" if args.temperature == 0 else "sampled"  # greedy requests get their own fit
+    report = calibrate(data, out_dir=out, block_size=drafter.config.block_size, regime=regime,
                        title=f"STS on {data.num_blocks} held-out blocks, temperature {args.temperature}")
     print(report.table)
     print(f"temperatures -> {out / 'sts.json'}, reliability diagram -> {report.png}")
@@ -201,6 +207,9 @@ def add_train_parsers(subparsers) -> None:
     c.add_argument("--shard-tokens", type=int, default=1 << 16, help="tokens per shard (the unit of resume)")
     c.add_argument("--batch-tokens", type=int, default=4096, help="tokens per target forward")
     c.add_argument("--max-sequences", type=int, default=None)
+    c.add_argument("--shortest-prompts-first", action="store_true",
+                   help="cache sequences by ascending prompt length: with --max-sequences, the most response tokens "
+                        "(anchors) per target forward on a CPU budget")
     c.add_argument("--no-progress", action="store_true")
     _add_model_args(c, default_model="smollm2-135m-instruct")
     c.set_defaults(func=cmd_cache)
@@ -230,6 +239,11 @@ def add_train_parsers(subparsers) -> None:
                    help="evaluate on the cache's held-out split every N steps (0: only at the end); 'eval' lines in metrics.jsonl")
     t.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "auto"],
                    help="bf16: autocast the drafter's matmuls (labels stay fp32); auto: bf16 on CUDA or a CPU with native bf16")
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="DSpark: propose only the N most frequent response tokens of the train split (FR-Spec); default: all")
+    t.add_argument("--init-from", default=None, help="DSpark: start from this drafter checkpoint (same shape) instead of scratch")
+    t.add_argument("--eval-cache", default=None, help="held-out evaluation on this cache's held-out split (default: --cache's)")
+    t.add_argument("--eval-sequences", type=int, default=None, help="evaluate on the first N held-out sequences (default: all)")
     t.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     t.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     t.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
@@ -263,7 +277,8 @@ def add_train_parsers(subparsers) -> None:
     k.add_argument("--cache", required=True)
     k.add_argument("--out", default=None, help="where sts.json, reliability.png, calibration.json go (default: --drafter)")
     k.add_argument("--split", default="heldout", choices=["train", "heldout", "all"])
-    k.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of drafter and target")
+    k.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of drafter and target; 0 fits the greedy regime's temperatures (sts.json keeps both)")
     k.add_argument("--anchors-per-seq", type=int, default=32)
     k.add_argument("--batch-seqs", type=int, default=4)
     k.add_argument("--max-sequences", type=int, default=None)

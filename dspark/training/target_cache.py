@@ -348,6 +348,10 @@ class TargetCache:
     def __len__(self) -> int:
         return len(self.sequences)
 
+    @property
+    def vocab_size(self) -> int:
+        return int(self.meta["vocab_size"])
+
     def indices(self, split: str = "all") -> list[int]:
         """Positions in `self.sequences` of the given split ("train" | "heldout" | "all")."""
         if split not in (*SPLITS, "all"):

@@ -56,13 +56,14 @@ from torch import nn
 from dspark.drafters import dflash, eagle3
 from dspark.drafters.dflash.config import DFlashConfig
 from dspark.drafters.dflash.model import DFlashDrafter
-from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint
+from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint, transfer_weights
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import TrainBatch, plan_batches, sample_batch
+from dspark.training.draft_vocab import frequent_tokens
 from dspark.training.heldout import evaluate_heldout
 from dspark.training.losses import (
     acceptance_rate,
@@ -70,6 +71,7 @@ from dspark.training.losses import (
     dspark_loss,
     expected_acceptance,
     expected_accepted_length,
+    greedy_acceptance,
     position_weights,
     target_probs_from_hidden,
     weighted_mean,
@@ -107,7 +109,14 @@ class TrainConfig:
     checkpoint_every: int = 500
     keep_checkpoints: int = 2
     eval_every: int = 0  # held-out evaluation every N steps (0: only at the end; heldout.py)
+    eval_sequences: int | None = None  # the first N held-out sequences only (None: all of them)
     precision: str = "fp32"  # "fp32" | "bf16" (autocast; for CUDA)
+    # DSpark only: N most frequent response tokens of the cache's train split as the draft
+    # vocabulary (draft_vocab.py); None = the whole target vocabulary
+    draft_vocab_size: int | None = None
+    # DSpark only: start from this checkpoint's weights (same shape; its Markov head's columns
+    # are gathered onto the draft vocabulary) instead of a fresh initialisation
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps is not None and self.steps < 1:
@@ -125,6 +134,12 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_every < 0:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_sequences is not None and self.eval_sequences < 1:
+            raise ValueError(f"eval_sequences must be >= 1, got {self.eval_sequences}")
+        if self.algo != "dspark" and (self.draft_vocab_size is not None or self.init_from is not None):
+            raise ValueError(f"draft_vocab_size and init_from are DSpark options, not {self.algo}'s")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.algo == "eagle3" and self.layers != 1:
             raise ValueError(f"EAGLE-3 is a one-layer drafter: layers must be 1, got {self.layers}")
 
@@ -138,6 +153,9 @@ class TrainConfig:
         d = dict(d)
         d["betas"] = tuple(d["betas"])
         d.setdefault("eval_every", 0)  # run directories written before held-out evaluation existed
+        d.setdefault("draft_vocab_size", None)  # ... and before draft vocabularies
+        d.setdefault("init_from", None)
+        d.setdefault("eval_sequences", None)
         return cls(**d)
 
 
@@ -165,27 +183,45 @@ class DrafterAlgorithm(Protocol):
 class DSparkAlgorithm:
     def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> DSparkDrafter:
         cfg = DSparkConfig.from_target(target_config, target_layer_ids=cache.capture_layers, num_layers=config.layers,
-                                       block_size=config.block_size, markov_rank=config.markov_rank, head_type=config.head)
-        return DSparkDrafter(cfg, shared=shared)
+                                       block_size=config.block_size, markov_rank=config.markov_rank, head_type=config.head,
+                                       draft_vocab_size=config.draft_vocab_size)
+        d2t = None if config.draft_vocab_size is None else frequent_tokens(cache, size=config.draft_vocab_size, split=config.split)
+        model = DSparkDrafter(cfg, shared=shared, draft_to_target=d2t)
+        if config.init_from is not None:
+            transfer_weights(load_checkpoint(config.init_from, shared=shared).drafter, model)
+        return model
 
     def loss(self, model: DSparkDrafter, batch: TrainBatch) -> StepLoss:
         c = model.config
         # valid blocks only: padding blocks carry no loss, so they skip the vocabulary-sized products
-        logits, confidence_logits = model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)  # [n, γ, V], [n, γ]
+        logits, confidence_logits = model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)  # [n, γ, N], [n, γ]
         valid = batch.blocks.block_valid  # [rows, nb]
-        n, gamma, vocab = logits.shape
+        n, gamma, _ = logits.shape
         mask = batch.label_mask[valid]  # [n, γ]
+        labels = batch.target_tokens[valid]  # [n, γ] target ids
         with torch.no_grad():
-            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head).view(n, gamma, vocab)
-        loss = dspark_loss(draft_logits=logits, target_ids=batch.target_tokens[valid], target_probs=p_t,
+            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head)
+            p_t = p_t.view(n, gamma, -1)  # [n, γ, V]
+            target_argmax = p_t.argmax(dim=-1)  # [n, γ]
+            outside = None
+            d2t = model.draft_to_target
+            if d2t is not None:  # only the N columns the drafter can propose, and the mass it cannot
+                p_t = p_t[..., d2t]  # [n, γ, N]
+                outside = (1.0 - p_t.sum(dim=-1)).clamp_min(0.0)  # [n, γ]
+                labels = model.target_to_draft()[labels]  # [n, γ] draft indices, -1 outside
+        loss = dspark_loss(draft_logits=logits, target_ids=labels, target_probs=p_t, outside_mass=outside,
                            confidence_logits=confidence_logits, mask=mask, ce_weight=c.ce_weight,
                            tv_weight=c.tv_weight, conf_weight=c.conf_weight, position_decay=c.position_decay)
         acc = expected_acceptance(loss.c_star, mask)  # [γ]
+        draft_argmax = logits.detach().argmax(dim=-1)  # [n, γ] draft indices
+        if d2t is not None:
+            draft_argmax = d2t[draft_argmax]
         metrics = {
             "loss": loss.total.item(), "ce": loss.ce.item(), "tv": loss.tv.item(), "conf": loss.conf.item(),
             "acc": float((loss.c_star * mask).sum() / mask.sum().clamp_min(1)),
             "tau": expected_accepted_length(loss.c_star, mask).item(),
             "acc_per_pos": [round(float(a), 4) for a in acc],
+            **greedy_metrics(draft_argmax, target_argmax, mask),
         }
         return StepLoss(total=loss.total, metrics=metrics)
 
@@ -215,7 +251,16 @@ def acceptance_metrics(draft_logits: torch.Tensor, batch: TrainBatch, lm_head: t
         "tv": tv.item(), "acc": float((c_star * mask).sum() / mask.sum().clamp_min(1)),
         "tau": expected_accepted_length(c_star, mask).item(),
         "acc_per_pos": [round(float(a), 4) for a in expected_acceptance(c_star, mask)],
+        **greedy_metrics(p_d.argmax(dim=-1), p_t.argmax(dim=-1), mask),
     }
+
+
+def greedy_metrics(draft_argmax: torch.Tensor, target_argmax: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
+    """The temperature-0 diagnostics (losses.greedy_acceptance) every algorithm logs beside c*_k:
+    greedy_tau, greedy_acc_per_pos (conditional argmax agreement) and its denominators."""
+    tau, hits, tries = greedy_acceptance(draft_argmax, target_argmax, mask)  # [], [γ], [γ]
+    return {"greedy_tau": float(tau), "greedy_acc_per_pos": [round(float(h) / max(int(t), 1), 4) for h, t in zip(hits, tries)],
+            "greedy_hits_per_pos": [int(h) for h in hits], "greedy_tries_per_pos": [int(t) for t in tries]}
 
 
 class DFlashAlgorithm:
@@ -397,6 +442,7 @@ def train(
     device: str | torch.device = "cpu",
     progress: bool = True,
     stop_after: int | None = None,  # stop (as if interrupted) once this many total steps are done; tests
+    eval_cache: TargetCache | None = None,  # held-out sequences in a cache of their own (default: `cache`'s held-out split)
 ) -> TrainResult:
     from tqdm import tqdm
 
@@ -409,7 +455,8 @@ def train(
     start = 0
     if resume and (ckpt_root / LATEST_FILE).exists():
         saved = TrainConfig.from_dict(json.loads((run / CONFIG_FILE).read_text()))
-        if saved != dataclasses.replace(config, eval_every=saved.eval_every):  # how often to evaluate may change
+        # how often and on how much to evaluate may change
+        if saved != dataclasses.replace(config, eval_every=saved.eval_every, eval_sequences=saved.eval_sequences):
             diff = {k: (v, getattr(config, k)) for k, v in saved.to_dict().items() if v != config.to_dict()[k]}
             raise ValueError(f"--resume with different settings than {run / CONFIG_FILE} (saved, given): {diff}")
         ckpt = ckpt_root / (ckpt_root / LATEST_FILE).read_text().strip()
@@ -471,7 +518,7 @@ def train(
             step += 1
             if config.eval_every and (step % config.eval_every == 0 or step == total):
                 # before the checkpoint: a resume from step s keeps the evaluation of step s
-                heldout = _evaluate(algo, model, cache, config, device)
+                heldout = _evaluate(algo, model, eval_cache or cache, config, device)
                 if heldout is not None:
                     log.write(json.dumps({"event": "eval", "step": step, **heldout}) + "\n")
                     log.flush()
@@ -486,7 +533,7 @@ def train(
                                    "label_tokens_per_s": round(labels_done / wall, 1) if wall > 0 else None,
                                    **peak_memory_mb(device)}
         if step >= total:
-            summary["heldout"] = heldout if heldout is not None else _evaluate(algo, model, cache, config, device)
+            summary["heldout"] = heldout if heldout is not None else _evaluate(algo, model, eval_cache or cache, config, device)
         log.write(json.dumps(summary) + "\n")
     finally:
         log.close()
@@ -501,7 +548,8 @@ def _evaluate(algo: DrafterAlgorithm, model: nn.Module, cache: TargetCache, conf
     """Held-out diagnostics on the cache's held-out split, anchors as dense as in training."""
     result = evaluate_heldout(algo, model, cache, split="heldout", block_size=config.block_size,
                               anchors_per_seq=config.anchors_per_seq, batch_seqs=config.batch_seqs,
-                              seed=config.seed, device=device, precision=config.precision)
+                              seed=config.seed, device=device, precision=config.precision,
+                              max_sequences=config.eval_sequences)
     return None if result is None else result.to_dict()
 
 

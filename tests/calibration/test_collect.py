@@ -88,3 +88,38 @@ def test_greedy_collection_accepts_exactly_the_target_argmax(setup):
     data = collect_acceptance(drafter, runtime, cache, split="heldout", anchors_per_seq=4, temperature=0.0, progress=False)
     assert set(data.accepted.unique().tolist()) <= {0.0, 1.0}
     assert torch.equal(data.accepted, data.c_star)
+
+
+def test_greedy_and_sampled_requests_get_their_own_temperatures(setup, tmp_path):
+    """STS per regime: a temperature-0 fit (survival = argmax match) and a temperature-1 fit live
+    side by side in sts.json, and the serving drafter applies the one of each request's regime."""
+    from dspark.drafters.base import DraftRequest
+    from dspark.drafters.dspark.checkpoint import save_checkpoint
+    from dspark.drafters.dspark.serving import DSparkServingDrafter
+    from dspark.sampling.params import SamplingParams
+
+    cache, runtime, drafter, _ = setup
+    out = tmp_path / "ckpt"
+    save_checkpoint(out, drafter=drafter)
+    sampled = calibrate(collect_acceptance(drafter, runtime, cache, split="heldout", anchors_per_seq=16, temperature=1.0,
+                                           progress=False), out_dir=out, block_size=4)
+    greedy = calibrate(collect_acceptance(drafter, runtime, cache, split="heldout", anchors_per_seq=16, temperature=0.0,
+                                          progress=False), out_dir=out, block_size=4, regime="greedy")
+    assert (out / "calibration_greedy.json").exists() and (out / "reliability_greedy.png").exists()
+    ckpt = load_checkpoint(out, shared=SharedWeights.from_target(runtime.model))
+    torch.testing.assert_close(ckpt.temperatures, sampled.temperatures)
+    torch.testing.assert_close(ckpt.greedy_temperatures, greedy.temperatures)
+    assert not torch.equal(ckpt.temperatures, ckpt.greedy_temperatures)
+
+    serving = DSparkServingDrafter(ckpt.drafter, temperatures=ckpt.temperatures, greedy_temperatures=ckpt.greedy_temperatures)
+    seq = cache.indices("heldout")[0]
+    tokens, t = cache.tokens(seq), cache.sequences[seq].prompt_len
+    serving.observe("r", cache.captured(seq, stop=t).float())
+    conf = {}
+    for temperature in (0.0, 1.0):
+        req = DraftRequest("r", tokens[: t + 1].tolist(), t, SamplingParams(temperature=temperature), 4, torch.Generator().manual_seed(0))
+        (proposal,) = serving.propose([req])
+        conf[temperature] = proposal.confidences
+    # the first position's raw logit is the same in both regimes (it reads only h_1 and x_0)
+    raw_logit = torch.logit(conf[1.0][0].double()) * ckpt.temperatures[0].double()
+    torch.testing.assert_close(torch.sigmoid(raw_logit / ckpt.greedy_temperatures[0].double()).float(), conf[0.0][0])

@@ -28,19 +28,21 @@ def greedy_plain_and_speculative(runtime, drafter, prompts: list[list[int]], *, 
     return plain, spec
 
 
-def assert_sampling_is_lossless(runtime, drafter, *, num_samples: int, prompt=(3, 1, 4, 1, 5), num_tokens: int = 3) -> None:
-    """Sample `num_samples` seeded continuations (temperature 1, γ = 2) with `drafter`: drafts were
-    made and some but not all accepted (so the test is not vacuous), and the first `num_tokens`
-    tokens pass a chi-square test against the target's exact distribution."""
+def assert_sampling_is_lossless(runtime, drafter, *, num_samples: int, prompt=(3, 1, 4, 1, 5), num_tokens: int = 3,
+                                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Sample `num_samples` seeded continuations (γ = 2, the given temperature / top-k / top-p) with
+    `drafter`: drafts were made and some but not all accepted (so the test is not vacuous), and the
+    first `num_tokens` tokens pass a chi-square test against the target's exact distribution under
+    the same settings."""
     prompt = list(prompt)
-    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    exact = exact_sequence_probs(runtime, prompt, num_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=2)
-    states = engine.generate([
-        GenerationRequest(f"s{i}", prompt, num_tokens + 1, SamplingParams(temperature=1.0, seed=i)) for i in range(num_samples)
-    ])
+    params = lambda i: SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=i)  # noqa: E731
+    states = engine.generate([GenerationRequest(f"s{i}", prompt, num_tokens + 1, params(i)) for i in range(num_samples)])
     drafted, accepted = totals(states)
     assert drafted >= 2 * num_samples and 0.05 * drafted < accepted < 0.95 * drafted
     samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
+    assert set(samples) <= set(exact), "a sample the target's filters give probability 0"
     p_value = chi_square_pvalue(samples, exact, num_samples)
     assert p_value > 1e-3, p_value
 

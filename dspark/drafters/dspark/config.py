@@ -50,7 +50,12 @@ class DSparkConfig(DrafterConfigBase):
     block_size: int = 7  # γ: one anchor in, γ draft tokens out
     # ---- sequential + confidence heads -----------------------------------------------------
     head_type: str = "markov"  # "markov" (default) | "rnn" (DSPARK.md §2, Eq. 6)
-    markov_rank: int = 256  # r: W1 ∈ R^{V×r}, W2 ∈ R^{r×V}; also the RNN state size
+    markov_rank: int = 256  # r: W1 ∈ R^{V×r}, W2 ∈ R^{r×N}; also the RNN state size
+    # N, the draft vocabulary (FR-Spec; EAGLE-3's draft_vocab_size): the LM head and the sequential
+    # head's output cover only N target tokens (the checkpoint's `draft_to_target` map, the most
+    # frequent tokens of the target's own outputs); p_d is zero elsewhere, the verifier still uses
+    # the full vocabulary (docs/method.md §Draft vocabulary). None = the whole target vocabulary.
+    draft_vocab_size: int | None = None
     # ---- training loss (DSPARK.md §3) ------------------------------------------------------
     ce_weight: float = 0.1
     tv_weight: float = 0.9
@@ -61,6 +66,8 @@ class DSparkConfig(DrafterConfigBase):
         check_geometry(self, also_positive=("num_layers", "markov_rank"))
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.draft_vocab_size is not None and not (isinstance(self.draft_vocab_size, int) and 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be an int in [1, {self.vocab_size}] or None, got {self.draft_vocab_size!r}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id must be in [0, {self.vocab_size}), got {self.mask_token_id}")
         for name in ("ce_weight", "tv_weight", "conf_weight"):
@@ -70,6 +77,11 @@ class DSparkConfig(DrafterConfigBase):
             raise ValueError(f"position_decay (γ_w) must be > 0, got {self.position_decay}")
 
     # derived: num_context_layers (m), q_size and kv_size come from DrafterConfigBase
+
+    @property
+    def output_vocab_size(self) -> int:
+        """N, the number of tokens the drafter can propose (V without a draft vocabulary)."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     # ---- constructors ----------------------------------------------------------------------
 

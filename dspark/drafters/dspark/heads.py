@@ -4,12 +4,15 @@ left-to-right sampler that turns backbone logits into draft tokens with exact ro
 Position k's draft distribution (DSPARK.md §2):
     p_k(v | x_0, x_<k) = softmax_v( U_k(v) + B_k(x_0, x_<k, v) )
 where U_k are the parallel backbone's logits and B_k the head's bias given the previous token.
-- Markov head (default):  B(x_{k-1}, ·) = W1[x_{k-1}] W2,  W1 ∈ R^{V×r}, W2 ∈ R^{r×V}.
+- Markov head (default):  B(x_{k-1}, ·) = W1[x_{k-1}] W2,  W1 ∈ R^{V×r}, W2 ∈ R^{r×N}.
 - RNN head (Eq. 6):       z_k = [s_{k-1}; W1[x_{k-1}]; h_k],  [g̃; c̃; õ] = W z_k + b,
                           g = σ(g̃),  s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(c̃),  B_k = W2ᵀ tanh(õ),  s_0 = 0.
 - Confidence head:        c_k = σ(wᵀ [h_k ; W1[x_{k-1}]] + b), the probability that x_k survives
                           verification given x_1..x_{k-1} were accepted.
-W1 is ONE table per drafter, read by the sequential head and the confidence head alike.
+W1 is ONE table per drafter, read by the sequential head and the confidence head alike; it is
+indexed by TARGET token ids (x_0 may be any token). U_k, B_k and p_k live on the drafter's output
+vocabulary of N tokens: the whole target vocabulary (N = V), or a draft vocabulary whose index i
+stands for target token draft_to_target[i] (FR-Spec); p_k is zero on the other V - N tokens.
 W2 starts at zero, so an untrained head leaves the backbone's distribution unchanged.
 
 Two modes: teacher-forced (training; x_{k-1} are the ground-truth tokens, x_0 the anchor) and
@@ -34,10 +37,10 @@ HeadState = torch.Tensor | None  # RNN: [n, r]; Markov: None (memoryless)
 class MarkovHead(nn.Module):
     """Low-rank learned bigram bias B(x_{k-1}, ·) = W1[x_{k-1}] W2 (memoryless)."""
 
-    def __init__(self, *, vocab_size: int, rank: int):
+    def __init__(self, *, vocab_size: int, rank: int, output_size: int | None = None):
         super().__init__()
         self.w1 = nn.Embedding(vocab_size, rank)  # [V, r], shared with the confidence head
-        self.w2 = nn.Parameter(torch.zeros(rank, vocab_size))  # [r, V], zero: B = 0 at init
+        self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N], zero: B = 0 at init
 
     def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
         return None
@@ -47,14 +50,14 @@ class MarkovHead(nn.Module):
         prev_emb: torch.Tensor,  # [n, r] W1[x_{k-1}]
         hidden: torch.Tensor,  # [n, hidden] h_k (unused: the Markov bias sees only x_{k-1})
         state: HeadState,
-    ) -> tuple[torch.Tensor, HeadState]:  # bias [n, V], state
+    ) -> tuple[torch.Tensor, HeadState]:  # bias [n, N], state
         return prev_emb @ self.w2, state
 
     def teacher_forced(
         self,
         prev_emb: torch.Tensor,  # [n, γ, r] W1[x_{k-1}] for k = 1..γ (x_0 = anchor)
         hidden: torch.Tensor,  # [n, γ, hidden]
-    ) -> torch.Tensor:  # [n, γ, V]
+    ) -> torch.Tensor:  # [n, γ, N]
         # memoryless: every position at once (equal to looping `step`, tested)
         return prev_emb @ self.w2
 
@@ -65,11 +68,11 @@ class RNNHead(nn.Module):
     `joint` is the one linear layer split three ways: output rows [0, r) are W_g, [r, 2r) W_c,
     [2r, 3r) W_o, acting on z = [s_{k-1}; W1[x_{k-1}]; h_k] (in that order)."""
 
-    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None):
         super().__init__()
         self.rank = rank
         self.w1 = nn.Embedding(vocab_size, rank)  # [V, r]
-        self.w2 = nn.Parameter(torch.zeros(rank, vocab_size))  # [r, V]
+        self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N]
         self.joint = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [3r, 2r + hidden] (+ bias [3r])
 
     def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
@@ -80,7 +83,7 @@ class RNNHead(nn.Module):
         prev_emb: torch.Tensor,  # [n, r]
         hidden: torch.Tensor,  # [n, hidden]
         state: HeadState,  # [n, r] s_{k-1}
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # bias [n, V], s_k [n, r]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # bias [n, N], s_k [n, r]
         z = torch.cat([state, prev_emb, hidden], dim=-1)  # [n, 2r + hidden]
         g_raw, c_raw, o_raw = self.joint(z).chunk(3, dim=-1)  # [n, r] each
         g = torch.sigmoid(g_raw)
@@ -91,7 +94,7 @@ class RNNHead(nn.Module):
         self,
         prev_emb: torch.Tensor,  # [n, γ, r]
         hidden: torch.Tensor,  # [n, γ, hidden]
-    ) -> torch.Tensor:  # [n, γ, V]
+    ) -> torch.Tensor:  # [n, γ, N]
         # A loop over γ positions (≤ 15): the recurrence is inherently sequential.
         state = self.init_state(prev_emb.shape[0], like=prev_emb)
         biases = []
@@ -104,11 +107,13 @@ class RNNHead(nn.Module):
 SequentialHead = MarkovHead | RNNHead
 
 
-def make_sequential_head(*, head_type: str, vocab_size: int, rank: int, hidden_size: int) -> SequentialHead:
+def make_sequential_head(*, head_type: str, vocab_size: int, rank: int, hidden_size: int,
+                         output_size: int | None = None) -> SequentialHead:
+    # vocab_size: V (rows of W1, indexed by target ids); output_size: N (columns of W2), default V
     if head_type == "markov":
-        return MarkovHead(vocab_size=vocab_size, rank=rank)
+        return MarkovHead(vocab_size=vocab_size, rank=rank, output_size=output_size)
     if head_type == "rnn":
-        return RNNHead(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size)
+        return RNNHead(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size, output_size=output_size)
     raise ValueError(f"head_type must be 'markov' or 'rnn', got {head_type!r}")
 
 
@@ -167,69 +172,81 @@ def _sparsify(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def sample_sequential(
     *,
-    base_logits: torch.Tensor,  # [n, γ, V] U_1..U_γ from the backbone
+    base_logits: torch.Tensor,  # [n, γ, N] U_1..U_γ from the backbone, over the drafter's output vocabulary
     hidden: torch.Tensor,  # [n, γ, hidden] h_1..h_γ
-    anchor_tokens: torch.Tensor,  # [n] int64 x_0
+    anchor_tokens: torch.Tensor,  # [n] int64 x_0 (a target id)
     head: SequentialHead,
     confidence_head: ConfidenceHead,
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    draft_to_target: torch.Tensor | None = None,  # [N] int64 target id of each draft index; None: N = V, the identity
 ) -> DraftSample:
     """Sample x_1..x_γ left to right from p_k = softmax((U_k + B_k)/T), truncated by top-k/top-p
     and renormalised exactly as the target side does (`logits_to_probs`).
 
     Invariant: the row returned for (i, k) is, bit for bit, the distribution x[i, k] was drawn
     from, and B_k was computed from the x[i, k-1] actually sampled; the verifier's losslessness
-    rests on this. Temperature 0 takes the argmax (ties: lowest id) as a point mass."""
+    rests on this. Temperature 0 takes the argmax (ties: lowest draft index) as a point mass.
+    With a draft vocabulary the rows come back sparse over target ids (draft_to_target of every
+    draft index; zero on the other V - N tokens), and the tokens are target ids."""
     n, gamma, vocab = base_logits.shape
     if hidden.shape[:2] != (n, gamma) or anchor_tokens.shape != (n,):
         raise ValueError(
             f"expected hidden [{n}, {gamma}, hidden] and anchor_tokens [{n}], "
             f"got {tuple(hidden.shape)} and {tuple(anchor_tokens.shape)}"
         )
+    if draft_to_target is not None and tuple(draft_to_target.shape) != (vocab,):
+        raise ValueError(f"draft_to_target must be [{vocab}] (one target id per draft index), got {tuple(draft_to_target.shape)}")
     if not temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     greedy = temperature == 0.0
     truncated = not greedy and ((0 < top_k < vocab) or top_p < 1.0)
+    to_target = (lambda i: i) if draft_to_target is None else (lambda i: draft_to_target[i])  # noqa: E731
 
-    tokens = torch.empty(n, gamma, dtype=torch.long, device=base_logits.device)
+    tokens = torch.empty(n, gamma, dtype=torch.long, device=base_logits.device)  # target ids
     conf_logits = torch.empty(n, gamma, dtype=torch.float32, device=base_logits.device)
-    rows = None if greedy else torch.empty(n, gamma, vocab, dtype=torch.float32, device=base_logits.device)
-    prev = anchor_tokens.long()  # [n] x_{k-1}
+    rows = None if greedy else torch.empty(n, gamma, vocab, dtype=torch.float32, device=base_logits.device)  # over draft indices
+    prev = anchor_tokens.long()  # [n] x_{k-1}, target ids
     state = head.init_state(n, like=hidden)
     # A Python loop over γ positions: x_k's distribution depends on the sampled x_{k-1}, which is
     # the point of the sequential stage (the backbone's γ positions ran in parallel before it).
     for k in range(gamma):
         prev_emb = head.w1(prev)  # [n, r]
         conf_logits[:, k] = confidence_head(hidden[:, k], prev_emb).float()
-        bias, state = head.step(prev_emb, hidden[:, k], state)  # [n, V]
-        logits = base_logits[:, k].float() + bias.float()  # [n, V] U_k + B_k
+        bias, state = head.step(prev_emb, hidden[:, k], state)  # [n, N]
+        logits = base_logits[:, k].float() + bias.float()  # [n, N] U_k + B_k
         if greedy:
-            prev = logits.argmax(dim=-1)
+            index = logits.argmax(dim=-1)
         else:
-            probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, V]
-            prev = sample_categorical(probs, generator)  # [n]
+            probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, N]
+            index = sample_categorical(probs, generator)  # [n]
             rows[:, k] = probs
+        prev = to_target(index)
         tokens[:, k] = prev
     if greedy:
         ones = torch.ones(n, gamma, 1, dtype=torch.float32, device=tokens.device)
         return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=tokens.unsqueeze(-1), sparse_probs=ones)
     if truncated:
-        ids, probs = _sparsify(rows)
+        ids, probs = _sparsify(rows)  # draft indices, -1 = padding
+        if draft_to_target is not None:
+            ids = torch.where(ids >= 0, draft_to_target[ids.clamp(min=0)], ids)
         return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=ids, sparse_probs=probs)
+    if draft_to_target is not None:  # the whole draft vocabulary, sparse over its target ids
+        ids = draft_to_target.expand(n, gamma, vocab)
+        return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=ids, sparse_probs=rows)
     return DraftSample(tokens=tokens, confidence_logits=conf_logits, dense_probs=rows)
 
 
 def teacher_forced_logits(
     *,
-    base_logits: torch.Tensor,  # [n, γ, V] U_k
+    base_logits: torch.Tensor,  # [n, γ, N] U_k
     hidden: torch.Tensor,  # [n, γ, hidden] h_k
-    prev_tokens: torch.Tensor,  # [n, γ] int64 x_0, x*_1, ..., x*_{γ-1}
+    prev_tokens: torch.Tensor,  # [n, γ] int64 x_0, x*_1, ..., x*_{γ-1} (target ids)
     head: SequentialHead,
     confidence_head: ConfidenceHead,
-) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [n, γ, V] (U + B), confidence logits [n, γ]
+) -> tuple[torch.Tensor, torch.Tensor]:  # draft logits [n, γ, N] (U + B), confidence logits [n, γ]
     """Training mode: B_k and c_k conditioned on the ground-truth previous tokens."""
     prev_emb = head.w1(prev_tokens)  # [n, γ, r]
     logits = base_logits + head.teacher_forced(prev_emb, hidden)

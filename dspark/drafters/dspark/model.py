@@ -375,16 +375,54 @@ class DSparkDrafter(ParallelBackbone):
     final norm, the sequential head, the confidence head. Referenced, frozen: the target's
     embedding and LM head (`shared`)."""
 
-    def __init__(self, config: DSparkConfig, *, shared: SharedWeights):
+    def __init__(self, config: DSparkConfig, *, shared: SharedWeights, draft_to_target: torch.Tensor | None = None):
         super().__init__(config, shared=shared, block_len=config.block_size)
         c = config
-        self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank, hidden_size=c.hidden_size)
+        self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank,
+                                         hidden_size=c.hidden_size, output_size=c.output_vocab_size)
         self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank)
+        # [N] int64, the target id of each draft index (a saved buffer: the map is part of the
+        # checkpoint); absent without a draft vocabulary. Loading a checkpoint overwrites it.
+        if c.draft_vocab_size is not None:
+            if draft_to_target is None:
+                draft_to_target = torch.arange(c.draft_vocab_size)
+            check_draft_vocabulary(draft_to_target, vocab_size=c.vocab_size, size=c.draft_vocab_size)
+            self.register_buffer("draft_to_target", draft_to_target.clone().long())
+        elif draft_to_target is not None:
+            raise ValueError("draft_to_target given but the config has no draft_vocab_size")
+        else:
+            self.draft_to_target = None
+        self._draft_head_key: tuple | None = None
+        self._draft_head: torch.Tensor | None = None
+
+    def draft_lm_head(self) -> torch.Tensor:  # [N, hidden] fp32: the shared LM head's rows of the draft vocabulary
+        """The target's LM head restricted to the draft vocabulary (the head itself when N = V).
+        Gathered once and reused while neither the map nor the shared head changes."""
+        head = self.shared.lm_head
+        if self.draft_to_target is None:
+            return head
+        key = (head.data_ptr(), self.draft_to_target.data_ptr(), self.draft_to_target._version, head.device)
+        if key != self._draft_head_key:
+            self._draft_head = head.float()[self.draft_to_target].contiguous()
+            self._draft_head_key = key
+        return self._draft_head
+
+    def base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., hidden] -> U [..., N] fp32 through the frozen shared LM head's draft rows
+        return hidden.float() @ self.draft_lm_head().t()
+
+    def target_to_draft(self) -> torch.Tensor:  # [V] int64: draft index of each target token, -1 outside the draft vocabulary
+        V = self.config.vocab_size
+        if self.draft_to_target is None:
+            return torch.arange(V, device=self.final_norm.device)
+        inverse = torch.full((V,), -1, dtype=torch.long, device=self.draft_to_target.device)
+        inverse[self.draft_to_target] = torch.arange(self.draft_to_target.numel(), device=self.draft_to_target.device)
+        return inverse
 
     # ---- the two modes ---------------------------------------------------------------------
 
     def forward(self, batch: BlockBatch, *, target_tokens: torch.Tensor) -> TeacherForcedOutput:
-        """Training: draft logits U_k + B(x*_{k-1}) and confidence logits, teacher forced.
+        """Training: draft logits U_k + B(x*_{k-1}) [rows, nb, γ, N] and confidence logits, teacher forced.
 
         target_tokens: [rows, blocks_per_row, γ] int64, x*_k = the token at t + k (any valid id
         where it does not exist; mask those positions out of the loss)."""
@@ -439,10 +477,21 @@ class DSparkDrafter(ParallelBackbone):
             top_k=top_k,
             top_p=top_p,
             generator=generator,
+            draft_to_target=self.draft_to_target,
         )
 
 
+def check_draft_vocabulary(draft_to_target: torch.Tensor, *, vocab_size: int, size: int) -> None:
+    """A draft vocabulary is `size` distinct target ids in [0, vocab_size)."""
+    if draft_to_target.dim() != 1 or draft_to_target.numel() != size or draft_to_target.is_floating_point():
+        raise ValueError(f"draft_to_target must be a 1-D integer tensor of {size} target ids, got {draft_to_target.dtype} {tuple(draft_to_target.shape)}")
+    if size and (int(draft_to_target.min()) < 0 or int(draft_to_target.max()) >= vocab_size):
+        raise ValueError(f"draft_to_target ids must be in [0, {vocab_size})")
+    if torch.unique(draft_to_target).numel() != size:
+        raise ValueError("draft_to_target ids must be distinct")
+
+
 __all__ = [
-    "BlockBatch", "DSparkDrafter", "DraftBlock", "DraftLayer", "ParallelBackbone", "SharedWeights", "TeacherForcedOutput",
+    "BlockBatch", "DSparkDrafter", "check_draft_vocabulary", "DraftBlock", "DraftLayer", "ParallelBackbone", "SharedWeights", "TeacherForcedOutput",
     "block_attention_mask", "block_positions",
 ]

@@ -36,14 +36,16 @@ class DSparkServingDrafter:
         self,
         model: DSparkDrafter,
         *,
-        temperatures: torch.Tensor | None = None,  # [γ] STS temperatures; None = uncalibrated
+        temperatures: torch.Tensor | None = None,  # [γ] STS temperatures of sampled requests; None = uncalibrated
         top_k: int = 0,  # truncate the drafter's rows (sparse on the wire); 0 = full softmax
         top_p: float = 1.0,
+        greedy_temperatures: torch.Tensor | None = None,  # [γ] of greedy requests; None = use `temperatures`
         logits_fn=None,  # hidden [n, d] -> U [n, V]: the target's packed LM head; None = the model's own matmul
     ):
         self.model = model.eval()
         self.logits_fn = logits_fn
         self.temperatures = temperatures
+        self.greedy_temperatures = greedy_temperatures if greedy_temperatures is not None else temperatures
         self.top_k, self.top_p = top_k, top_p
         self.block_size = model.config.block_size
         self.capture_layers = tuple(model.config.target_layer_ids)
@@ -55,9 +57,12 @@ class DSparkServingDrafter:
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DSparkServingDrafter:
         ckpt = load_checkpoint(path, shared=SharedWeights.from_target(target))
         ckpt.drafter.config.check_target(target.config)
-        # The shared LM head through the target's prepacked GEMM: 4x faster than a plain fp32
-        # matmul for γ rows here, and it is the same weight.
-        return cls(ckpt.drafter, temperatures=ckpt.temperatures, top_k=top_k, top_p=top_p, logits_fn=target.compute_logits)
+        # Without a draft vocabulary: the shared LM head through the target's prepacked GEMM (4x
+        # faster than a plain fp32 matmul for γ rows here, and the same weight). With one, the
+        # drafter's own N-row slice of it (N/V of the work).
+        logits_fn = target.compute_logits if ckpt.drafter.draft_to_target is None else None
+        return cls(ckpt.drafter, temperatures=ckpt.temperatures, greedy_temperatures=ckpt.greedy_temperatures,
+                   top_k=top_k, top_p=top_p, logits_fn=logits_fn)
 
     # ---- the context cache -----------------------------------------------------------------
 
@@ -130,7 +135,7 @@ class DSparkServingDrafter:
         )[:, 0]  # [n, block_len, hidden]
 
     def _base_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [n, k, hidden] -> U [n, k, V] through the shared LM head
+        # hidden [n, k, hidden] -> U [n, k, N] through the shared LM head (its draft-vocabulary rows)
         flat = hidden.reshape(-1, hidden.shape[-1])  # [n * k, hidden]
         logits = self.logits_fn(flat) if self.logits_fn is not None else self.model.base_logits(flat)
         return logits.view(*hidden.shape[:2], -1)
@@ -145,7 +150,7 @@ class DSparkServingDrafter:
         # the sequential head, most of a round's cost, run only as far as some request will draft.
         steps = max(requests[i].max_draft_tokens for i in active)
         hidden = self._encode_blocks(requests, active)[:, :steps]  # [n, steps, hidden]: DSpark's block is [x_0, mask × (γ-1)]
-        base_logits = self._base_logits(hidden)  # [n, steps, V]
+        base_logits = self._base_logits(hidden)  # [n, steps, N]
         for row, i in enumerate(active):
             req = requests[i]
             # this request's own k, not the batch's: its generator must not depend on its neighbours
@@ -157,11 +162,20 @@ class DSparkServingDrafter:
                 head=self.model.head,
                 confidence_head=self.model.confidence_head,
                 temperature=req.params.temperature,
-                top_k=self.top_k,
-                top_p=self.top_p,
+                # the tighter of the drafter's own truncation and the request's: a token outside
+                # the request's nucleus would be rejected anyway (p_t = 0 there), so it is not drafted
+                top_k=_tighter_top_k(self.top_k, req.params.top_k),
+                top_p=min(self.top_p, req.params.top_p),
                 generator=req.generator,
+                draft_to_target=self.model.draft_to_target,
             )
             logits = sample.confidence_logits[0]  # [k]
-            conf = apply_temperatures(logits, self.temperatures[:k]) if self.temperatures is not None else torch.sigmoid(logits)
+            temps = self.greedy_temperatures if req.params.is_greedy else self.temperatures  # STS per regime
+            conf = apply_temperatures(logits, temps[:k]) if temps is not None else torch.sigmoid(logits)
             out[i] = sample.proposal(0, confidences=conf)
         return out
+
+
+def _tighter_top_k(a: int, b: int) -> int:
+    # 0 disables a top-k filter: the tighter of two is the smaller positive one
+    return min(k for k in (a, b) if k > 0) if (a > 0 or b > 0) else 0
