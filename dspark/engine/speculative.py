@@ -57,6 +57,7 @@ from dspark.observability.rounds import RoundObserver
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs
 from dspark.sampling.params import SamplingParams
+from dspark.scheduling.draft_gate import DraftGate
 from dspark.scheduling.policies import Policy
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class EngineCounters:
     """Cumulative counters since the engine started (read by the scheduler service's Stats)."""
 
     steps: int = 0  # verification rounds run (prefills included)
+    rounds_without_drafting: int = 0  # rounds with decoding requests whose drafting the draft gate skipped
     finished: int = 0  # requests that ended with stop or length
     emitted_tokens: int = 0  # tokens appended to outputs
     decode_request_rounds: int = 0  # Σ over requests of their decode rounds
@@ -164,6 +166,8 @@ class SpeculativeEngine:
                     f"{captured}; load the target with capture_layers={wanted}"
                 )
         self.policy = policy
+        # skips rounds whose drafting would not pay (policies that declare gates_drafting)
+        self.draft_gate: DraftGate | None = DraftGate() if policy is not None and policy.gates_drafting else None
         if policy is not None and policy.needs_confidences and not getattr(self.drafter, "provides_confidences", False):
             raise ValueError(f"policy {policy.spec!r} needs calibrated confidences; drafter {self.drafter.name!r} gives none")
         self.running: dict[str, RequestState] = {}
@@ -303,7 +307,11 @@ class SpeculativeEngine:
     def _round(self, states: list[RequestState], observed: RoundObserver) -> list[StepOutput]:
         decoding = [s for s in states if s.prefilled]
         with observed.phase("draft"):
-            proposals = self._propose(decoding)
+            drafting = self._gate_allows_drafting(decoding, states)
+            self.counters.rounds_without_drafting += int(not drafting)
+            t_draft = time.perf_counter()
+            proposals = self._propose(decoding) if drafting else [DraftProposal.empty() for _ in decoding]
+            t_draft = time.perf_counter() - t_draft
         with observed.phase("schedule"):
             if self.policy is not None and decoding:
                 prefilling = [s for s in states if not s.prefilled]
@@ -321,6 +329,10 @@ class SpeculativeEngine:
         num_accepted = verified.result.num_accepted.tolist()
         tokens = verified.result.output_token_ids.tolist()
         self.counters.steps += 1
+        if drafting and self.draft_gate is not None and decoding:
+            self.draft_gate.record(num_requests=len(decoding), draft_seconds=t_draft,
+                                   verified=sum(len(draft_of[s.request.request_id]) for s in decoding),
+                                   accepted=sum(a for s, a in zip(states, num_accepted) if s.prefilled))
         if self.drafter_needs_hidden:  # positions now verified: the whole prompt, or x_0..x_a
             self._hand_over_features(states, verified.hidden_states, verified.num_hidden_positions)
 
@@ -355,6 +367,14 @@ class SpeculativeEngine:
         observed.finish(num_draft_tokens=round_drafts, num_accepted=round_accepted, num_emitted=round_emitted,
                         prefill_tokens=prefill_tokens, generated_tokens=sum(len(o.new_token_ids) for o in outputs))
         return outputs
+
+    def _gate_allows_drafting(self, decoding: list[RequestState], states: list[RequestState]) -> bool:
+        """The draft gate's decision for this round, from earlier rounds only (draft_gate.py)."""
+        if self.draft_gate is None or not decoding or self.sps_profile is None:
+            return True
+        prefill_tokens = sum(len(s.all_token_ids) for s in states if not s.prefilled)
+        table = self.sps_profile.table(upto=prefill_tokens + len(decoding) * (1 + max(self.gamma, 1)))
+        return self.draft_gate.should_draft(num_requests=len(decoding), sps_table=table, prefill_tokens=prefill_tokens)
 
     def _propose(self, decoding: list[RequestState]) -> list[DraftProposal]:
         """Drafts for the requests the drafter holds; none for the others, or for all of them when

@@ -42,6 +42,9 @@ class Policy(Protocol):
     # the most drafts a request ever gets verified in a round (None: up to γ); the engine asks the
     # drafter for no more, so `fixed:1` pays for one draft position, not γ
     max_drafts: int | None
+    # True: the engine skips a round's drafting when its last rounds say drafting will not pay
+    # (dspark/scheduling/draft_gate.py); the static baselines always draft
+    gates_drafting: bool
 
     def draft_lengths(
         self,
@@ -88,6 +91,7 @@ class NonePolicy:
     needs_confidences: bool = False
     needs_sps_profile: bool = False
     max_drafts: int | None = 0
+    gates_drafting: bool = False
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
@@ -105,6 +109,7 @@ class FixedPolicy:
     k: int
     needs_confidences: bool = False
     needs_sps_profile: bool = False
+    gates_drafting: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -142,6 +147,7 @@ class ThresholdPolicy:
     needs_confidences: bool = True
     needs_sps_profile: bool = False
     max_drafts: int | None = None
+    gates_drafting: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:  # also rejects NaN
@@ -172,6 +178,7 @@ class DSparkPolicy:
     needs_confidences: bool = True
     needs_sps_profile: bool = True
     max_drafts: int | None = None
+    gates_drafting: bool = True
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
@@ -203,6 +210,7 @@ class DSparkAsyncPolicy:
     needs_confidences: bool = True
     needs_sps_profile: bool = True
     max_drafts: int | None = None
+    gates_drafting: bool = True
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
     _population: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)  # deque[(round, mean c [n])]

@@ -106,7 +106,7 @@ def test_prefills_riding_in_a_round_are_counted_in_the_policys_batch(tiny_runtim
     seen = []
 
     class Recording:
-        spec, needs_confidences, needs_sps_profile, max_drafts = "recording", True, True, None
+        spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting = "recording", True, True, None, False
 
         def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None, prefill_tokens=0, prefill_emitted=0):
             seen.append((list(request_ids), prefill_tokens, prefill_emitted, len(sps_table)))

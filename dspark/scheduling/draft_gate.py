@@ -1,0 +1,87 @@
+"""Skip a drafting round that will not pay for itself (issue #15 item 7; the paper's named limit:
+"the backbone's drafting cost is paid even for hard requests").
+
+Algorithm 1 chooses ℓ_r AFTER the drafts exist, so their cost is sunk by then. The gate decides
+BEFORE drafting, from the engine's last rounds only, whether this round drafts at all:
+
+    tokens/s without drafting   R / T_v(R + P)
+    tokens/s with drafting      R (1 + g) / (R t_d + T_v(R + P + R ℓ̄))
+
+with R decoding requests, P prefill tokens riding in the same forward, T_v(B) = 1 / SPS(B) the
+verifier's measured step time at B tokens, and running means (exponential, weight `smoothing`
+on the newest round) over the rounds that drafted: t_d the drafting time per request, ℓ̄ the
+drafts verified per request and g the drafts accepted per request. It drafts when the second
+is higher, and also after `probe_every` rounds in a row without drafting (the estimates must
+see new rounds to notice that a request got easier). Before any drafted round it drafts.
+
+Lossless: whether round n drafts is a function of rounds < n (their timings and accepted counts,
+i.e. of tokens already emitted), never of round n's draft tokens; each round's rejection
+sampling is exact given the past whatever ℓ it verifies, ℓ = 0 included (docs/method.md §5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class DraftGate:
+    smoothing: float = 0.3  # weight of the newest drafted round in the running means
+    probe_every: int = 8  # draft anyway after this many rounds in a row without drafting
+    draft_s_per_request: float | None = None  # fixed t_d (benchmarks, tests); None = measured
+    # running means over drafted rounds (None until the first one)
+    _t_d: float | None = None
+    _verified: float | None = None  # ℓ̄
+    _accepted: float | None = None  # g
+    _skipped_in_a_row: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+    def expected_gain(self, *, num_requests: int, sps_table: np.ndarray, prefill_tokens: int = 0) -> float | None:
+        """Expected tokens/s with drafting over without it (None before any drafted round). The
+        table's last entry stands in for batches beyond it."""
+        if self._verified is None or num_requests == 0:
+            return None
+        sps = np.asarray(sps_table, dtype=np.float64)  # [B_max] SPS(B) at index B-1
+
+        def step_s(batch: float) -> float:
+            return 1.0 / sps[min(max(int(round(batch)), 1), len(sps)) - 1]
+
+        r = num_requests
+        t_d = self._t_d if self.draft_s_per_request is None else self.draft_s_per_request
+        plain = r / step_s(r + prefill_tokens)
+        spec = r * (1.0 + self._accepted) / (r * t_d + step_s(r + prefill_tokens + r * self._verified))
+        return spec / plain
+
+    def should_draft(self, *, num_requests: int, sps_table: np.ndarray | None, prefill_tokens: int = 0) -> bool:
+        if sps_table is None or num_requests == 0:
+            return True
+        gain = self.expected_gain(num_requests=num_requests, sps_table=sps_table, prefill_tokens=prefill_tokens)
+        if gain is None or gain > 1.0 or self._skipped_in_a_row >= self.probe_every:
+            self._skipped_in_a_row = 0
+            return True
+        self._skipped_in_a_row += 1
+        return False
+
+    def record(self, *, num_requests: int, draft_seconds: float, verified: int, accepted: int) -> None:
+        """After a drafted round: R requests drafted in `draft_seconds`, `verified` of their drafts
+        went to the verifier and `accepted` of those were accepted (totals over the R requests)."""
+        if num_requests <= 0:
+            return
+        new = (draft_seconds / num_requests, verified / num_requests, accepted / num_requests)
+        if self._verified is None:
+            self._t_d, self._verified, self._accepted = new
+            return
+        a = self.smoothing
+        self._t_d = (1 - a) * self._t_d + a * new[0]
+        self._verified = (1 - a) * self._verified + a * new[1]
+        self._accepted = (1 - a) * self._accepted + a * new[2]
+
+
+__all__ = ["DraftGate"]

@@ -1,0 +1,106 @@
+"""The draft gate (scheduling/draft_gate.py): a round drafts only when the last rounds say it pays.
+
+Specification: with no history it drafts; it compares R(1+g) / (R t_d + T_v(R + Rℓ̄)) with
+R / T_v(R) from the SPS table; a drafter whose drafts are never accepted stops being asked (but
+is probed every `probe_every` rounds), a good one keeps drafting; inside the engine the gate keeps
+greedy output identical to plain decoding and the sampled distribution exactly the target's
+(chi-square) while it switches between drafted and skipped rounds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.profiling.sps import SPSProfile
+from dspark.sampling.params import SamplingParams
+from dspark.scheduling.draft_gate import DraftGate
+from dspark.scheduling.policies import parse_policy
+from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
+from tests.drafters.test_dspark_serving import make_serving_drafter
+
+TABLE = 1.0 / np.array([0.010, 0.010, 0.011, 0.011, 0.012, 0.012, 0.013, 0.013, 0.014, 0.015])  # SPS(B), B = 1..10
+
+
+def test_it_drafts_before_it_has_seen_a_drafted_round():
+    assert DraftGate().should_draft(num_requests=3, sps_table=TABLE)
+    assert DraftGate().should_draft(num_requests=3, sps_table=None)  # no profile: nothing to decide with
+
+
+def test_the_expected_gain_is_the_ratio_of_tokens_per_second_with_and_without_drafting():
+    gate = DraftGate(draft_s_per_request=0.002)
+    gate.record(num_requests=2, draft_seconds=0.004, verified=8, accepted=2)  # ℓ̄ = 4, g = 1 per request
+    # with: 2 * 2 tokens / (2 * 0.002 + T_v(2 + 8 = 10) = 0.015) ; without: 2 / T_v(2) = 2 / 0.010
+    expected = (2 * 2 / (0.004 + 0.015)) / (2 / 0.010)
+    assert gate.expected_gain(num_requests=2, sps_table=TABLE) == pytest.approx(expected)
+
+
+def test_a_drafter_that_is_never_accepted_is_skipped_but_probed():
+    gate = DraftGate(probe_every=3)
+    decisions = []
+    for _ in range(12):
+        draft = gate.should_draft(num_requests=1, sps_table=TABLE)
+        decisions.append(draft)
+        if draft:
+            gate.record(num_requests=1, draft_seconds=0.003, verified=4, accepted=0)
+    # the first round drafts (no history); then 3 skipped rounds, one probe, 3 skipped, ...
+    assert decisions == [True, False, False, False, True, False, False, False, True, False, False, False]
+
+
+def test_a_drafter_that_pays_keeps_drafting():
+    gate = DraftGate()
+    for _ in range(10):
+        assert gate.should_draft(num_requests=2, sps_table=TABLE)
+        gate.record(num_requests=2, draft_seconds=0.002, verified=8, accepted=6)
+
+
+def test_the_gate_runs_in_the_dspark_policies_only():
+    for spec, gated in [("none", False), ("fixed:3", False), ("threshold:0.5", False), ("dspark", True), ("dspark-async", True)]:
+        assert parse_policy(spec).gates_drafting is gated
+
+
+# ---- inside the engine ------------------------------------------------------------------------
+
+PROFILE = SPSProfile(batch_sizes=[1, 4, 8, 16, 64, 4096], step_seconds=[0.010, 0.011, 0.013, 0.020, 0.080, 5.0])
+
+
+def gated_engine(runtime, *, draft_s_per_request: float, probe_every: int = 2) -> SpeculativeEngine:
+    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2,
+                               policy=parse_policy("dspark"))
+    engine.sps_profile = PROFILE
+    engine.draft_gate = DraftGate(draft_s_per_request=draft_s_per_request, probe_every=probe_every)
+    return engine
+
+
+def test_greedy_output_is_plain_decoding_while_the_gate_switches(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 70))]
+    greedy = SamplingParams(temperature=0.0)
+    plain = SpeculativeEngine(runtime, None).generate([GenerationRequest(f"p{i}", p, 24, greedy) for i, p in enumerate(prompts)])
+    engine = gated_engine(runtime, draft_s_per_request=1.0)  # drafting "costs" a second: only probes draft
+    spec = engine.generate([GenerationRequest(f"s{i}", p, 24, greedy) for i, p in enumerate(prompts)])
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    assert engine.counters.rounds_without_drafting > 0 and sum(s.draft_tokens for s in spec) > 0
+
+
+def test_sampled_output_keeps_the_target_distribution_while_the_gate_switches(tiny_runtime_factory):
+    """Whether a round drafts depends on earlier rounds' acceptance (here: a cost that makes the
+    decision flip with it), never on the round's own drafts: the output stays exact."""
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, seed=11, capture_layers=(0, 1))
+    prompt, num_tokens, n = [3, 1, 4, 1, 5], 3, 3000
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    # drafting priced so that it pays only when about one draft per request is accepted: the
+    # decision follows the recent acceptance, which varies from batch to batch
+    engine = gated_engine(runtime, draft_s_per_request=0.001, probe_every=3)
+    states = []
+    for batch in range(n // 5):  # 600 batches of 5 requests: the gate's state carries across them
+        states += engine.generate([GenerationRequest(f"b{batch}-{i}", prompt, num_tokens + 1,
+                                                     SamplingParams(temperature=1.0, seed=batch * 5 + i)) for i in range(5)])
+    drafted = sum(s.draft_tokens for s in states)
+    decode_rounds = engine.counters.steps - n // 5  # one prefill round per batch
+    assert 0.1 * decode_rounds < engine.counters.rounds_without_drafting < 0.9 * decode_rounds and drafted > 500
+    samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
+    assert chi_square_pvalue(samples, exact, n) > 1e-3
