@@ -14,6 +14,9 @@ drafts verified per request and g the drafts accepted per request. It drafts whe
 is higher, and also after `probe_every` rounds in a row without drafting (the estimates must
 see new rounds to notice that a request got easier). Before any drafted round it drafts.
 
+Used by the `dspark` policy (`Policy.gates_drafting`); not by `dspark-async`, whose capacity
+comes from confidences of two rounds earlier that skipped rounds would not produce.
+
 Lossless: whether round n drafts is a function of rounds < n (their timings and accepted counts,
 i.e. of tokens already emitted), never of round n's draft tokens; each round's rejection
 sampling is exact given the past whatever ℓ it verifies, ℓ = 0 included (docs/method.md §5).

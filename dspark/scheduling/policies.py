@@ -210,7 +210,9 @@ class DSparkAsyncPolicy:
     needs_confidences: bool = True
     needs_sps_profile: bool = True
     max_drafts: int | None = None
-    gates_drafting: bool = True
+    # not gated: its capacity comes from confidences of two rounds earlier, which a round
+    # without drafting does not produce, so a gate would starve it of the very rounds it reads
+    gates_drafting: bool = False
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
     _population: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)  # deque[(round, mean c [n])]
