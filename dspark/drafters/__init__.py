@@ -9,12 +9,20 @@ from pathlib import Path
 
 from dspark.drafters.base import Drafter, DraftProposal, DraftRequest, NoDrafter
 
-DRAFTERS = ("none", "ngram", "dspark", "dflash", "eagle3")
+DRAFTERS = ("none", "ngram", "dspark", "dspark-lookup", "dflash", "eagle3")
 TRAINED_DRAFTERS = ("dspark", "dflash", "eagle3")  # read target hidden states, load from a checkpoint directory
+# a trained drafter's checkpoint with lookup proposals where the context repeats (drafters/lookup.py)
+LOOKUP_SUFFIX = "-lookup"
+
+
+def checkpoint_family(name: str) -> str:
+    """The trained family whose checkpoint a drafter name loads ("dspark-lookup" -> "dspark")."""
+    return name.removesuffix(LOOKUP_SUFFIX)
 
 
 def drafter_capture_layers(name: str, path: str | Path | None) -> tuple[int, ...] | None:
     """Target layers a drafter reads (the runtime must capture them), or None if it reads none."""
+    name = checkpoint_family(name)
     if name not in TRAINED_DRAFTERS:
         return None
     directory = Path(_require_path(name, path))
@@ -41,6 +49,10 @@ def make_drafter(name: str, *, runtime=None, path: str | Path | None = None, top
         from dspark.drafters.ngram import NgramDrafter
 
         return NgramDrafter()
+    if name.endswith(LOOKUP_SUFFIX) and name in DRAFTERS:
+        from dspark.drafters.lookup import LookupDrafter
+
+        return LookupDrafter(make_drafter(checkpoint_family(name), runtime=runtime, path=path, top_k=top_k))
     if name not in TRAINED_DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; expected one of {DRAFTERS}")
     if runtime is None:
@@ -84,4 +96,4 @@ def _require_path(name: str, path: str | Path | None) -> str | Path:
     return shipped
 
 
-__all__ = ["DRAFTERS", "TRAINED_DRAFTERS", "DraftProposal", "DraftRequest", "Drafter", "NoDrafter", "drafter_capture_layers", "make_drafter"]
+__all__ = ["DRAFTERS", "TRAINED_DRAFTERS", "checkpoint_family", "DraftProposal", "DraftRequest", "Drafter", "NoDrafter", "drafter_capture_layers", "make_drafter"]

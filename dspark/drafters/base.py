@@ -24,6 +24,9 @@ class DraftRequest:
     params: SamplingParams
     max_draft_tokens: int  # γ for this round (may be less near max_tokens)
     generator: torch.Generator | None = None  # the request's own stream, for reproducible seeded drafts
+    # True on a round the draft gate judged not worth the model drafter's cost: a drafter with
+    # `free_proposals` (lookups) proposes only what costs nothing, or nothing
+    free_only: bool = False
 
 
 @dataclass
@@ -79,7 +82,10 @@ class Drafter(Protocol):
     `needs_hidden_states = True` and implements `observe(request_id, features)`: the engine then
     captures the target's chosen layer outputs and hands over those of every newly verified
     position ([num_new, num_capture_layers, hidden]), in order. A drafter whose proposals carry
-    calibrated confidences sets `provides_confidences = True` (the dspark/threshold policies need them)."""
+    calibrated confidences sets `provides_confidences = True` (the dspark/threshold policies need them).
+    A drafter with proposals that cost nothing next to a verify step (lookups) sets
+    `free_proposals = True`: the engine then asks it for those (DraftRequest.free_only) on rounds
+    whose model drafting the draft gate skips."""
 
     name: str
 

@@ -157,6 +157,7 @@ class SpeculativeEngine:
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
         self.gamma = num_speculative_tokens if not isinstance(self.drafter, NoDrafter) else 0
         self.drafter_needs_hidden = bool(getattr(self.drafter, "needs_hidden_states", False))
+        self.drafter_has_free_proposals = bool(getattr(self.drafter, "free_proposals", False))
         if self.drafter_needs_hidden:
             captured = tuple(verifier.capture_layers)
             wanted = tuple(getattr(self.drafter, "capture_layers", captured))
@@ -310,7 +311,12 @@ class SpeculativeEngine:
             drafting = self._gate_allows_drafting(decoding, states)
             self.counters.rounds_without_drafting += int(not drafting)
             t_draft = time.perf_counter()
-            proposals = self._propose(decoding) if drafting else [DraftProposal.empty() for _ in decoding]
+            if drafting:
+                proposals = self._propose(decoding)
+            elif self.drafter_has_free_proposals:  # the gate skips the model, not a free lookup
+                proposals = self._propose(decoding, free_only=True)
+            else:
+                proposals = [DraftProposal.empty() for _ in decoding]
             t_draft = time.perf_counter() - t_draft
         with observed.phase("schedule"):
             if self.policy is not None and decoding:
@@ -376,7 +382,7 @@ class SpeculativeEngine:
         table = self.sps_profile.table(upto=prefill_tokens + len(decoding) * (1 + max(self.gamma, 1)))
         return self.draft_gate.should_draft(num_requests=len(decoding), sps_table=table, prefill_tokens=prefill_tokens)
 
-    def _propose(self, decoding: list[RequestState]) -> list[DraftProposal]:
+    def _propose(self, decoding: list[RequestState], *, free_only: bool = False) -> list[DraftProposal]:
         """Drafts for the requests the drafter holds; none for the others, or for all of them when
         the drafter fails (plain decoding for this round)."""
         no_drafts = [DraftProposal.empty() for _ in decoding]
@@ -393,6 +399,7 @@ class SpeculativeEngine:
                 # at most remaining-1 drafts: a round emits ℓ+1 tokens and must not pass max_new_tokens
                 max_draft_tokens=max(0, min(self.gamma, s.remaining - 1, cap)),
                 generator=s.generator,
+                free_only=free_only,
             )
             for s in drafting
         ]

@@ -1,0 +1,174 @@
+"""Lookup proposals beside a model drafter (issue #15 item 8; docs/method.md §8).
+
+Per request and round, BEFORE anything is sampled, the drafter chooses where the block comes
+from:
+
+- a lookup continuation: the tokens that followed the latest earlier occurrence of the context's
+  last n tokens (n = max_n down to min_n, `find_ngram_continuation`), proposed as point masses
+  (p_d(x_k) = 1), with conditional confidences c_k estimated online from how earlier lookup
+  drafts of the same match length fared (`LookupAcceptance`);
+- or the model drafter's block (DSpark: its own sampled tokens, exact rows and STS confidences).
+
+It takes the lookup when a match of at least `min_n` tokens exists and its expected accepted
+length Σ_k Π_{j<=k} c_j is at least the model drafter's recent expected accepted length (the
+running mean of the same sum over the model's own calibrated confidences). Then the model drafter
+is not run for that request at all: the round costs a suffix search instead of a backbone forward.
+On a round whose model drafting the engine's draft gate skips (DraftRequest.free_only), a match
+is proposed whatever its estimate (Algorithm 1 still decides how much of it to verify) and the
+model is not run.
+
+Lossless (docs/method.md §5, §8): the choice is a function of the context and of earlier rounds
+only, never of a token drawn this round (the model drafter samples after the choice, if chosen);
+a lookup token is a deterministic function of the context, drawn from the point mass the proposal
+reports; the model drafter's rows are its own. Whatever ℓ Algorithm 1 then verifies, rejection
+sampling is exact.
+
+Estimating acceptance without being told: a request's next proposal sees the tokens the round
+emitted. For a point-mass draft x_k the emitted token at that position equals x_k with
+probability exactly p_t(x_k), the acceptance probability, whether x_k was verified (accepted, or
+rejected and resampled from the residual, which is zero at x_k) or was cut off by the scheduler
+(then the position holds the target's own sample, or the next rounds' tokens). So comparing the
+proposal with the emitted tokens up to the first mismatch counts, per position k, tries and hits
+of the conditional acceptance P(x_k accepted | x_<k accepted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.ngram import find_ngram_continuation
+
+
+def longest_match(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
+    """(n, continuation): the longest suffix length n in [min_n, max_n] that occurred earlier and
+    up to k tokens that followed its latest earlier occurrence; (0, []) when none.
+    tokens: [seq_len] int64."""
+    for n in range(min(max_n, tokens.shape[0] - 1), min_n - 1, -1):
+        cont = find_ngram_continuation(tokens, min_n=n, max_n=n, k=k)
+        if cont:
+            return n, cont
+    return 0, []
+
+
+@dataclass
+class LookupAcceptance:
+    """Per (match length n, draft position k): hits / tries of the conditional acceptance, with a
+    Beta(prior_hits, prior_misses) prior so that an unseen cell has a cautious estimate."""
+
+    max_n: int
+    block_size: int
+    prior_hits: float = 1.0
+    prior_misses: float = 2.0
+    hits: np.ndarray = field(init=False)  # [max_n + 1, block_size]
+    tries: np.ndarray = field(init=False)  # [max_n + 1, block_size]
+
+    def __post_init__(self) -> None:
+        self.hits = np.zeros((self.max_n + 1, self.block_size))
+        self.tries = np.zeros((self.max_n + 1, self.block_size))
+
+    def confidences(self, n: int, length: int) -> np.ndarray:  # [length] c_1..c_length
+        h, t = self.hits[n, :length], self.tries[n, :length]
+        return (h + self.prior_hits) / (t + self.prior_hits + self.prior_misses)
+
+    def record(self, n: int, proposed: list[int], emitted: list[int]) -> None:
+        """`proposed` drafts of a lookup with match length n against the tokens that followed."""
+        for k, (x, y) in enumerate(zip(proposed, emitted)):
+            self.tries[n, k] += 1
+            if x != y:
+                return
+            self.hits[n, k] += 1
+
+
+def expected_accepted(confidences: np.ndarray) -> float:
+    """Σ_k Π_{j<=k} c_j: the expected number of accepted drafts of a block (docs/method.md §5)."""
+    return float(np.cumprod(confidences).sum())
+
+
+@dataclass
+class _Pending:
+    context_len: int  # len(token_ids) when proposed: the drafts sit at positions context_len...
+    n: int
+    tokens: list[int]
+
+
+class LookupDrafter:
+    """A model drafter (DSpark) with lookup proposals where the context repeats itself."""
+
+    def __init__(self, model_drafter, *, min_n: int = 2, max_n: int = 4, smoothing: float = 0.1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        if not model_drafter.provides_confidences:
+            raise ValueError(f"drafter {model_drafter.name!r} gives no confidences: a lookup cannot be weighed against it")
+        self.model = model_drafter
+        self.name = f"{model_drafter.name}-lookup"
+        self.needs_hidden_states = model_drafter.needs_hidden_states
+        self.capture_layers = tuple(model_drafter.capture_layers)
+        self.provides_confidences = True
+        self.free_proposals = True  # a suffix search: asked for even on rounds the draft gate skips
+        self.block_size = model_drafter.block_size
+        self.min_n, self.max_n = min_n, max_n
+        self.smoothing = smoothing  # weight of the newest model proposal in its running expected accepted length
+        self.acceptance = LookupAcceptance(max_n=max_n, block_size=model_drafter.block_size)
+        self.model_expected: float = 0.0  # running Σ Π c_k of the model's proposals (0 until one is seen)
+        self._pending: dict[str, _Pending] = {}
+        # what the last rounds chose (benchmarks and tests read these)
+        self.lookup_proposals = 0
+        self.model_proposals = 0
+
+    # ---- the context, forwarded: the model drafter must see every verified position ----------
+
+    def observe(self, request_id: str, features: torch.Tensor) -> None:
+        self.model.observe(request_id, features)
+
+    def context_len(self, request_id: str) -> int:
+        return self.model.context_len(request_id)
+
+    def remove_request(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+        self.model.remove_request(request_id)
+
+    # ---- one round ---------------------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
+        out = [DraftProposal.empty() for _ in requests]
+        to_model = []
+        for i, req in enumerate(requests):
+            self._learn(req)
+            if req.max_draft_tokens <= 0:
+                continue
+            tokens = np.asarray(req.token_ids, dtype=np.int64)  # [seq_len]
+            n, cont = longest_match(tokens, min_n=self.min_n, max_n=self.max_n, k=req.max_draft_tokens)
+            if n:
+                conf = self.acceptance.confidences(n, len(cont))  # [len(cont)]
+                if req.free_only or expected_accepted(conf) >= self.model_expected:
+                    proposal = DraftProposal.point_mass(cont)
+                    proposal.confidences = torch.from_numpy(conf).float()
+                    out[i] = proposal
+                    self._pending[req.request_id] = _Pending(len(req.token_ids), n, cont)
+                    self.lookup_proposals += 1
+                    continue
+            if not req.free_only:
+                to_model.append(i)
+        if to_model:
+            proposals = self.model.propose([requests[i] for i in to_model])
+            for i, p in zip(to_model, proposals):
+                out[i] = p
+                if len(p):
+                    e = expected_accepted(p.confidences.double().numpy())
+                    a = self.smoothing if self.model_proposals else 1.0
+                    self.model_expected = (1 - a) * self.model_expected + a * e
+                    self.model_proposals += 1
+        return out
+
+    def _learn(self, req: DraftRequest) -> None:
+        # the tokens emitted since this request's last lookup proposal score it (module docstring)
+        pending = self._pending.pop(req.request_id, None)
+        if pending is not None:
+            self.acceptance.record(pending.n, pending.tokens, req.token_ids[pending.context_len:])
+
+
+__all__ = ["LookupAcceptance", "LookupDrafter", "expected_accepted", "longest_match"]

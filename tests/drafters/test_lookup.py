@@ -1,0 +1,142 @@
+"""Lookup proposals beside the DSpark drafter (dspark/drafters/lookup.py).
+
+Specification: where the context repeats itself the block is the lookup continuation (point
+masses, online confidences) and the model drafter is not run for that request; elsewhere it is
+the model drafter's block; acceptance is learnt from the tokens emitted after a lookup, up to the
+first mismatch; greedy output equals plain decoding and sampled output has exactly the target's
+distribution (chi-square) with lookups firing, under every draft-length policy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.drafters import make_drafter
+from dspark.drafters.base import DraftRequest
+from dspark.drafters.lookup import LookupAcceptance, LookupDrafter, expected_accepted, longest_match
+from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+from dspark.profiling.sps import SPSProfile
+from dspark.scheduling.policies import parse_policy
+from tests.drafters.engine_checks import GREEDY, assert_sampling_is_lossless, totals
+from tests.drafters.test_dspark_serving import make_serving_drafter
+
+
+def test_the_longest_repeated_suffix_gives_the_continuation():
+    tokens = np.array([7, 1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3])
+    # suffix (1, 2, 3) occurred at 1..3 and was followed by 9 5 2; (2, 3) alone would give 8 1 2
+    assert longest_match(tokens, min_n=2, max_n=4, k=3) == (3, [9, 5, 2])
+    assert longest_match(tokens, min_n=2, max_n=2, k=3) == (2, [8, 1, 2])
+    assert longest_match(np.array([1, 2, 3, 4]), min_n=1, max_n=4, k=3) == (0, [])
+
+
+def test_acceptance_is_counted_up_to_the_first_mismatch():
+    acc = LookupAcceptance(max_n=4, block_size=4, prior_hits=0.0, prior_misses=0.0)
+    acc.record(2, [5, 6, 7, 8], [5, 6, 9, 8, 1])  # accepted 5 6, rejected at 7: 8 was never tried
+    acc.record(2, [5, 6], [5])  # the next round emitted only one token so far: censored after it
+    assert acc.tries[2].tolist() == [2, 1, 1, 0] and acc.hits[2].tolist() == [2, 1, 0, 0]
+    np.testing.assert_allclose(acc.confidences(2, 3), [1.0, 1.0, 0.0])
+    assert expected_accepted(np.array([1.0, 0.5, 0.0])) == 1.5
+
+
+def test_an_unseen_match_length_starts_from_the_prior():
+    acc = LookupAcceptance(max_n=4, block_size=3)
+    np.testing.assert_allclose(acc.confidences(3, 3), [1 / 3] * 3)
+
+
+def _request(rid, tokens, k=4):
+    return DraftRequest(rid, tokens, 2, GREEDY, k, torch.Generator().manual_seed(0))
+
+
+def test_a_repeating_context_gets_the_lookup_block_and_the_model_is_not_run(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime))
+    asked = []
+    model_propose = drafter.model.propose
+    drafter.model.propose = lambda reqs: asked.append([r.request_id for r in reqs]) or model_propose(reqs)
+    gen = torch.Generator().manual_seed(0)
+    repeating, fresh = [3, 4, 5, 6, 7, 3, 4], [10, 11, 12, 13, 14, 15, 16]
+    for rid, toks in [("rep", repeating), ("new", fresh)]:
+        drafter.observe(rid, torch.randn(len(toks) - 1, 2, runtime.config.hidden_size, generator=gen))
+    rep, new = drafter.propose([_request("rep", repeating), _request("new", fresh)])
+    assert rep.token_ids.tolist() == [5, 6, 7, 3] and rep.probs.flatten().tolist() == [1.0] * 4
+    torch.testing.assert_close(rep.confidences, torch.tensor([1 / 3] * 4))
+    assert asked == [["new"]] and len(new) == 4 and new.confidences is not None
+    assert drafter.lookup_proposals == 1 and drafter.model_proposals == 1
+
+
+def test_a_lookup_weaker_than_the_model_gives_way_to_the_model(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime))
+    drafter.model_expected = 3.0  # the model's blocks have been accepted for 3 tokens on average
+    toks = [3, 4, 5, 6, 7, 3, 4]
+    drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
+    (p,) = drafter.propose([_request("a", toks)])
+    assert drafter.lookup_proposals == 0 and drafter.model_proposals == 1 and len(p) == 4
+
+
+def test_dspark_lookup_loads_a_dspark_checkpoint_by_name(tiny_runtime_factory, tmp_path):
+    from dspark.drafters import drafter_capture_layers
+    from dspark.drafters.dspark.checkpoint import save_checkpoint
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    save_checkpoint(tmp_path / "ckpt", drafter=make_serving_drafter(runtime).model)
+    drafter = make_drafter("dspark-lookup", runtime=runtime, path=tmp_path / "ckpt")
+    assert isinstance(drafter, LookupDrafter) and drafter.name == "dspark-lookup" and drafter.model.name == "dspark"
+    assert drafter_capture_layers("dspark-lookup", tmp_path / "ckpt") == (1, 3) == drafter.capture_layers
+    with pytest.raises(ValueError, match="unknown drafter"):
+        make_drafter("ngram-lookup")
+
+
+# ---- inside the engine -------------------------------------------------------------------
+
+REPEATING_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))]
+PROFILE = SPSProfile(batch_sizes=[1, 4, 8, 16, 64], step_seconds=[0.010, 0.011, 0.013, 0.020, 0.080])
+
+
+@pytest.mark.parametrize("spec", ["all", "fixed:2", "dspark"])
+def test_greedy_output_with_lookups_equals_plain_decoding(tiny_runtime_factory, spec):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime), min_n=1)
+    policy = None if spec == "all" else parse_policy(spec)
+
+    def generate(d, p):
+        engine = SpeculativeEngine(runtime, d, num_speculative_tokens=4, policy=p)
+        engine.sps_profile = PROFILE
+        return engine.generate([GenerationRequest(f"r{i}", q, 24, GREEDY) for i, q in enumerate(REPEATING_PROMPTS)])
+
+    plain, spec_states = generate(None, None), generate(drafter, policy)
+    assert [s.output_ids for s in spec_states] == [s.output_ids for s in plain]
+    drafted, _ = totals(spec_states)
+    assert drafted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
+    assert runtime.kv.reserved_tokens == 0
+
+
+def test_sampled_tokens_with_lookups_have_exactly_the_target_distribution(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                                   capture_layers=(0, 1))
+    drafter = LookupDrafter(make_serving_drafter(runtime, seed=2, block_size=2), min_n=1)
+    # the prompt repeats (3, 1): the first round's block is a lookup, later ones either kind
+    assert_sampling_is_lossless(runtime, drafter, num_samples=3000, prompt=(3, 1, 4, 1, 5, 3, 1))
+    assert drafter.lookup_proposals > 1000 and drafter.model_proposals > 0
+
+
+def test_rounds_the_draft_gate_skips_still_get_lookups_and_never_the_model(tiny_runtime_factory):
+    from dspark.scheduling.draft_gate import DraftGate
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime), min_n=1)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4, policy=parse_policy("dspark"))
+    engine.sps_profile = PROFILE
+    # drafting "costs" 10 s a request: after the first drafted round the gate skips the model
+    engine.draft_gate = DraftGate(draft_s_per_request=10.0, probe_every=1000)
+    states = engine.generate([GenerationRequest(f"r{i}", q, 24, GREEDY) for i, q in enumerate(REPEATING_PROMPTS)])
+    plain = SpeculativeEngine(runtime, None).generate(
+        [GenerationRequest(f"p{i}", q, 24, GREEDY) for i, q in enumerate(REPEATING_PROMPTS)])
+    assert [s.output_ids for s in states] == [s.output_ids for s in plain]
+    assert engine.counters.rounds_without_drafting > 3
+    assert drafter.model_proposals <= len(REPEATING_PROMPTS)  # the first drafted round only
+    assert drafter.lookup_proposals > engine.counters.rounds_without_drafting  # lookups on the skipped rounds
+    drafted, accepted = totals(states)
+    assert drafted > 0 and accepted > 0
