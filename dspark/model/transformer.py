@@ -14,6 +14,7 @@ probabilities the rejection sampler sees are not rounded to bf16's 8 bits of man
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.model import attention
 from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import RequestKV
 
@@ -53,6 +55,41 @@ class AttentionMetadata:
 
     def positions(self) -> torch.Tensor:  # [num_tokens] int64
         return torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)])
+
+    def kernel_plan(self) -> "KernelPlan | None":
+        """The batched kernel's index arrays, built once per forward and shared by all layers;
+        None where the kernel cannot serve this batch (K/V not contiguous fp32 on the CPU)."""
+        if "_kernel_plan" not in self.__dict__:
+            ok = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+                     for c in self.caches for t in (c.keys, c.values))
+            self.__dict__["_kernel_plan"] = KernelPlan.build(self) if ok else None
+        return self.__dict__["_kernel_plan"]
+
+
+@dataclass
+class KernelPlan:
+    table: attention.CacheTable
+    tok_req: torch.Tensor  # [num_tokens] int64 request of each token
+    tok_pos: torch.Tensor  # [num_tokens] int64 its position in that request's cache
+    row_tok: torch.Tensor  # [rows] int64 tokens of the continuing requests (context_len > 0)
+    row_req: torch.Tensor  # [rows] int64
+    row_prefix: torch.Tensor  # [rows] int64 keys each row attends to: its own causal prefix
+    prefills: list[tuple[int, int, int]]  # (request, first token, end token) of requests with context_len == 0
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "KernelPlan":
+        table = attention.CacheTable([c.keys for c in meta.caches], [c.values for c in meta.caches])
+        req = torch.repeat_interleave(torch.arange(len(meta.caches)), torch.tensor(meta.query_lens))  # [num_tokens]
+        pos = meta.positions()  # [num_tokens]
+        continuing = (torch.tensor(meta.context_lens) > 0)[req]  # [num_tokens] bool
+        row_tok = continuing.nonzero().flatten()  # [rows]
+        prefills, start = [], 0
+        for r, (q_len, ctx_len) in enumerate(zip(meta.query_lens, meta.context_lens)):
+            if ctx_len == 0:
+                prefills.append((r, start, start + q_len))
+            start += q_len
+        return cls(table=table, tok_req=req, tok_pos=pos, row_tok=row_tok, row_req=req[row_tok].contiguous(),
+                   row_prefix=pos[row_tok] + 1, prefills=prefills)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,7 +191,12 @@ class SplitKLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+ATTENTION_MODES = ("batched", "per-row")
+
+
 class DecoderLayer(nn.Module):
+    attention = "per-row"  # set by Transformer.set_attention
+
     def __init__(self, config: ModelConfig, compute_dtype: torch.dtype):
         super().__init__()
         c = config
@@ -198,8 +240,9 @@ class DecoderLayer(nn.Module):
 
     def _attend(self, q, k, v, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim] (cached as fp32)
-        # A Python loop over requests: attention is the only op whose shape differs per request,
-        # and per-request SDPA over the cache prefix wastes no FLOPs on padding.
+        if self.attention == "batched" and meta.kernel_plan() is not None:
+            return self._attend_batched(q, k, v, layer_idx, meta)
+        # The per-row path: a Python loop over requests, and over the rows of continuing ones.
         c = self.config
         out = torch.empty(q.shape[0], c.num_heads, c.head_dim, dtype=q.dtype)
         start = 0
@@ -211,40 +254,35 @@ class DecoderLayer(nn.Module):
             k_cache[:, ctx_len:total] = k[start:end].transpose(0, 1)
             v_cache[:, ctx_len:total] = v[start:end].transpose(0, 1)
             if ctx_len == 0:  # prefill: one causal SDPA over the prompt
-                out[start:end] = _grouped_attention(q[start:end], k_cache[:, :total], v_cache[:, :total], mask)
+                out[start:end] = attention.grouped_attention(q[start:end], k_cache[:, :total], v_cache[:, :total], mask)
             else:
                 # Continuing requests attend row by row, each query exactly as plain decoding
                 # computes it (one query over its causal prefix). A multi-row SDPA rounds
                 # differently (different kernel blocking), and in bf16 that 1-ulp difference
                 # flips later roundings and, at near-ties, greedy tokens: verification would
                 # no longer reproduce plain decoding bit for bit.
-                for i in range(start, end):
-                    prefix = ctx_len + i - start + 1
-                    out[i : i + 1] = _grouped_attention(q[i : i + 1], k_cache[:, :prefix], v_cache[:, :prefix], None)
+                out[start:end] = attention.per_row_attention(q[start:end], k_cache, v_cache, ctx_len)
             start = end
         return out.view(q.shape[0], c.q_size)
 
-
-def _grouped_attention(
-    q: torch.Tensor,  # [q_len, heads, head_dim]
-    keys: torch.Tensor,  # [kv_heads, kv_len, head_dim]
-    values: torch.Tensor,  # [kv_heads, kv_len, head_dim]
-    mask: torch.Tensor | None,  # [q_len, kv_len] bool (True = attend), None = attend to all
-) -> torch.Tensor:  # [q_len, heads, head_dim]
-    """GQA as plain multi-query SDPA: the `group` query heads sharing a KV head become `group`
-    rows of one query block (head h = kv_head * group + g, as in HF's repeat_kv). ~20x faster on
-    this CPU than SDPA's enable_gqa path for decode-sized queries, and no K/V copies."""
-    q_len, heads, head_dim = q.shape
-    kv_heads = keys.shape[0]
-    group = heads // kv_heads
-    if q_len == 1:  # decode: the group's rows are already contiguous, views only (no copies)
-        o = F.scaled_dot_product_attention(q.view(1, kv_heads, group, head_dim), keys.unsqueeze(0), values.unsqueeze(0))
-        return o.view(1, heads, head_dim)
-    rows = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * q_len, head_dim)
-    if mask is not None:
-        mask = mask.repeat(group, 1)  # [group * q_len, kv_len], row order (g, i) as in `rows`
-    o = F.scaled_dot_product_attention(rows, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
-    return o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, heads, head_dim)
+    def _attend_batched(self, q, k, v, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+        # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim]
+        # One kernel call writes every token's K/V into its cache and one attends every row of the
+        # continuing requests (decode and verification rows together), each over its own prefix
+        # with arithmetic that no other row affects: batch-invariant by construction.
+        c = self.config
+        plan = meta.kernel_plan()
+        out = torch.empty(q.shape[0], c.num_heads, c.head_dim, dtype=torch.float32)  # [num_tokens, heads, head_dim]
+        attention.write_kv(plan.table, layer_idx, k, v.float(), plan.tok_req, plan.tok_pos)
+        for r, start, end in plan.prefills:
+            # A fresh prompt: one causal SDPA over it, as plain decoding prefills it too. Not
+            # batched across requests: a padded multi-request SDPA rounds by the batch's shape.
+            cache, n = meta.caches[r], end - start
+            out[start:end] = attention.grouped_attention(
+                q[start:end], cache.keys[layer_idx][:, :n], cache.values[layer_idx][:, :n], meta.masks[r])
+        if plan.row_tok.numel():
+            attention.attend_rows(plan.table, layer_idx, q, out, plan.row_tok, plan.row_req, plan.row_prefix, c.num_kv_heads)
+        return out.view(q.shape[0], c.q_size)
 
 
 class Transformer(nn.Module):
@@ -257,6 +295,22 @@ class Transformer(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.set_attention(os.environ.get("DSPARK_ATTENTION", "batched"))
+
+    def set_attention(self, mode: str) -> str:
+        """How continuing rows attend: "batched" (one kernel call per layer for all of them,
+        dspark/model/attention.py) or "per-row" (one 1-row SDPA per row, the old path). Both are
+        batch-invariant but round differently: switch only between generations, never within
+        one. "batched" falls back to "per-row" where the kernel cannot be built. Returns the mode
+        in use."""
+        if mode not in ATTENTION_MODES:
+            raise ValueError(f"attention mode must be one of {list(ATTENTION_MODES)}, got {mode!r}")
+        if mode == "batched" and not attention.kernel_available():
+            mode = "per-row"
+        self.attention = mode
+        for layer in self.layers:
+            layer.attention = mode
+        return mode
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] fp32

@@ -1,0 +1,319 @@
+"""Attention over the KV cache: a batch-invariant kernel for every continuing row of a batch.
+
+Greedy speculative decoding must reproduce plain decoding bit for bit, so a query row's
+attention output may depend only on that row's query and its own causal prefix, never on which
+other rows or requests share the forward or where the row sits in its query block. A multi-row
+SDPA does not give that (its blocking, hence its rounding, follows the shapes), which is why the
+transformer used to call a 1-row SDPA per row per layer (240 calls for 8 query tokens on the
+30-layer SmolLM2-135M, one call per request per layer in high-batch decode).
+
+`attend_rows` runs every continuing row of a batch (decode rows and verification rows alike) in
+one call per layer: a small C++ kernel, compiled with the system C++ compiler at first use and
+loaded through ctypes, that reads each request's K/V in place from its own cache buffer (no
+gather: each request owns a separate buffer, and copying every row's prefix into one padded
+tensor would move ~20 MB per layer at 64 requests x 200 tokens). Each (row, KV head) task is the
+same fixed sequence of floating-point operations over the row's own prefix:
+
+  scores  s_j = (q . k_j) * scale, the dot product in 16 fixed lanes summed by a fixed tree
+  softmax m = max_j s_j (exact), p_j = exp(s_j - m) by one fixed polynomial (a libm or SIMD
+          exp differs from its scalar twin by an ulp, and which one an element gets would
+          depend on its place in the loop), l = sum_j p_j in 16 lanes + fixed tree
+  output  o = (sum_j p_j v_j, sequential in j) / l
+
+The tasks are independent, so threading splits them without touching their arithmetic, and the
+compiler is told not to contract a*b+c on its own (-ffp-contract=off; fusions are explicit fma
+calls), so vector and scalar code of the same statement round alike. Pure torch cannot do this
+without the gather: its reductions and exp depend on shapes, offsets and thread splits.
+
+Where the kernel cannot be built (no C++ compiler, KV not on the CPU) the transformer falls back
+to the per-row SDPA path (`per_row_attention`), which is also batch-invariant, only slower. A
+process uses one of the two throughout, so within it speculative and plain decoding agree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t W = 16;  // lanes of every fixed-order partial sum
+
+// a . b over n floats: lane l sums elements l, l+16, ... in order, then a fixed tree
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc[W] = {0};
+  int64_t d = 0;
+  for (; d + W <= n; d += W)
+    for (int64_t l = 0; l < W; ++l) acc[l] = std::fma(a[d + l], b[d + l], acc[l]);
+  for (; d < n; ++d) acc[d % W] = std::fma(a[d], b[d], acc[d % W]);
+  for (int64_t w = W / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// exp(x) for x <= 0 (Cephes expf: Cody-Waite range reduction, degree-5 polynomial, ~1 ulp);
+// x < -87 (and -inf padding) gives exactly 0.
+inline float exp_nonpos(float x) {
+  float xc = x < -87.0f ? -87.0f : x;
+  float n = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
+  float r = std::fma(n, -0.693359375f, xc);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float y = 1.9875691500e-4f;
+  y = std::fma(y, r, 1.3981999507e-3f);
+  y = std::fma(y, r, 8.3334519073e-3f);
+  y = std::fma(y, r, 4.1665795894e-2f);
+  y = std::fma(y, r, 1.6666665459e-1f);
+  y = std::fma(y, r, 5.0000001201e-1f);
+  y = std::fma(y, r * r, r) + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.0f ? 0.0f : y * scale;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Copy the new tokens' K and V into their requests' caches: token t goes to request
+// tok_req[t] at position tok_pos[t], layer `layer`. Cache buffers: [layers, kv_heads, cap, hd].
+void dspark_write_kv(const float* k, int64_t k_tok_stride, int64_t k_head_stride,
+                     const float* v, int64_t v_tok_stride, int64_t v_head_stride,
+                     int64_t num_tokens, const int64_t* tok_req, const int64_t* tok_pos,
+                     const int64_t* kbufs, const int64_t* vbufs, const int64_t* caps,
+                     int64_t layer, int64_t kv_heads, int64_t hd) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t r = tok_req[t], cap = caps[r];
+    float* kc = reinterpret_cast<float*>(kbufs[r]) + layer * kv_heads * cap * hd;
+    float* vc = reinterpret_cast<float*>(vbufs[r]) + layer * kv_heads * cap * hd;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      std::memcpy(kc + (h * cap + tok_pos[t]) * hd, k + t * k_tok_stride + h * k_head_stride, hd * sizeof(float));
+      std::memcpy(vc + (h * cap + tok_pos[t]) * hd, v + t * v_tok_stride + h * v_head_stride, hd * sizeof(float));
+    }
+  }
+}
+
+// Attention of `rows` query rows, each over the first row_prefix[i] keys of its request's cache.
+// q: token row_tok[i] at q + row_tok[i] * q_tok_stride, heads contiguous ([heads, hd]);
+// out: [num_tokens, heads, hd] contiguous, written at the same token rows. Query head
+// h = kv_head * group + g attends to KV head kv_head (GQA as in HF's repeat_kv).
+void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
+                   int64_t rows, const int64_t* row_tok, const int64_t* row_req, const int64_t* row_prefix,
+                   const int64_t* kbufs, const int64_t* vbufs, const int64_t* caps,
+                   int64_t layer, int64_t heads, int64_t kv_heads, int64_t hd, float scale, int num_threads) {
+  const int64_t group = heads / kv_heads;
+  const int64_t tasks = rows * kv_heads;
+#pragma omp parallel num_threads(num_threads)
+  {
+    std::vector<float> s;  // [group, npad] scores, then probabilities
+    std::vector<float> o(group * hd);  // [group, hd] unnormalised output
+    std::vector<float> denom(group);  // [group] softmax denominators
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t i = task / kv_heads, kvh = task % kv_heads;
+      const int64_t r = row_req[i], cap = caps[r], n = row_prefix[i];
+      const int64_t npad = (n + W - 1) / W * W;
+      const float* K = reinterpret_cast<const float*>(kbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
+      const float* V = reinterpret_cast<const float*>(vbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
+      const float* Q = q + row_tok[i] * q_tok_stride + kvh * group * hd;  // [group, hd]
+      float* O = out + (row_tok[i] * heads + kvh * group) * hd;  // [group, hd]
+      s.assign(group * npad, -std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < n; ++j)
+        for (int64_t g = 0; g < group; ++g) s[g * npad + j] = dot(Q + g * hd, K + j * hd, hd) * scale;
+      std::fill(o.begin(), o.end(), 0.0f);
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = s.data() + g * npad;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t j = 0; j < n; ++j) m = sg[j] > m ? sg[j] : m;
+        float acc[W] = {0};
+        for (int64_t j = 0; j < npad; j += W)  // padding (-inf) gives exact zeros
+          for (int64_t l = 0; l < W; ++l) {
+            sg[j + l] = exp_nonpos(sg[j + l] - m);
+            acc[l] += sg[j + l];
+          }
+        for (int64_t w = W / 2; w > 0; w /= 2)
+          for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
+        denom[g] = acc[0];
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vj = V + j * hd;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = s[g * npad + j];
+          float* og = o.data() + g * hd;
+          for (int64_t d = 0; d < hd; ++d) og[d] = std::fma(p, vj[d], og[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < hd; ++d) O[g * hd + d] = o[g * hd + d] / denom[g];
+    }
+  }
+}
+
+}  // extern "C"
+"""
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+
+_kernel: ctypes.CDLL | None = None
+_kernel_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "dspark" / "kernels"
+
+
+def _cpu_signature() -> str:
+    """-march=native code runs only on the CPU it was built for: key the cached library by it."""
+    try:
+        flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use (about a second); None where that fails."""
+    global _kernel, _kernel_error
+    if _kernel is not None or _kernel_error is not None:
+        return _kernel
+    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"dspark_attention_{digest}.so"
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            compiler = os.environ.get("CXX", "c++")
+            with tempfile.TemporaryDirectory() as tmp:
+                src, lib = Path(tmp) / "attention.cpp", Path(tmp) / "attention.so"
+                src.write_text(_SOURCE)
+                subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib)], check=True, capture_output=True, text=True)
+                os.replace(lib, path)  # atomic: concurrent builders each publish a whole file
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        _kernel_error = f"batched attention kernel unavailable ({detail.strip()[:500]}); using per-row SDPA"
+        warnings.warn(_kernel_error, RuntimeWarning, stacklevel=2)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.dspark_write_kv.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+    lib.dspark_write_kv.restype = None
+    lib.dspark_attend.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.dspark_attend.restype = None
+    _kernel = lib
+    return lib
+
+
+def kernel_available() -> bool:
+    return load_kernel() is not None
+
+
+class CacheTable:
+    """Raw addresses of a batch's per-request K/V buffers, for the kernel. Holds the buffers
+    themselves too, so they outlive every call that uses the addresses."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):
+        # keys, values: per request [num_layers, kv_heads, capacity, head_dim] fp32, contiguous, CPU
+        for t in (*keys, *values):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError("the batched attention kernel needs contiguous fp32 CPU K/V buffers")
+        self.buffers = (keys, values)
+        self.kptrs = torch.tensor([t.data_ptr() for t in keys], dtype=torch.int64)  # [requests]
+        self.vptrs = torch.tensor([t.data_ptr() for t in values], dtype=torch.int64)  # [requests]
+        self.caps = torch.tensor([t.shape[2] for t in keys], dtype=torch.int64)  # [requests]
+
+
+def write_kv(
+    table: CacheTable,
+    layer: int,
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim] fp32, head_dim contiguous
+    v: torch.Tensor,  # [num_tokens, kv_heads, head_dim] fp32, head_dim contiguous
+    tok_req: torch.Tensor,  # [num_tokens] int64 request index into the table
+    tok_pos: torch.Tensor,  # [num_tokens] int64 position in that request's cache
+) -> None:
+    assert k.dtype == v.dtype == torch.float32 and k.stride(-1) == v.stride(-1) == 1
+    lib = load_kernel()
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    lib.dspark_write_kv(k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1), k.shape[0],
+                        tok_req.data_ptr(), tok_pos.data_ptr(), table.kptrs.data_ptr(), table.vptrs.data_ptr(),
+                        table.caps.data_ptr(), layer, kv_heads, head_dim)
+
+
+def attend_rows(
+    table: CacheTable,
+    layer: int,
+    q: torch.Tensor,  # [num_tokens, heads, head_dim] fp32, [heads, head_dim] contiguous per token
+    out: torch.Tensor,  # [num_tokens, heads, head_dim] fp32 contiguous; rows `row_tok` are written
+    row_tok: torch.Tensor,  # [rows] int64 token index of each row
+    row_req: torch.Tensor,  # [rows] int64 request index into the table
+    row_prefix: torch.Tensor,  # [rows] int64 keys the row attends to (its causal prefix, itself included)
+    kv_heads: int,
+) -> None:
+    heads, head_dim = q.shape[1], q.shape[2]
+    assert q.dtype == out.dtype == torch.float32 and out.is_contiguous()
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    lib = load_kernel()
+    lib.dspark_attend(q.data_ptr(), q.stride(0), out.data_ptr(), row_tok.shape[0], row_tok.data_ptr(),
+                      row_req.data_ptr(), row_prefix.data_ptr(), table.kptrs.data_ptr(), table.vptrs.data_ptr(),
+                      table.caps.data_ptr(), layer, heads, kv_heads, head_dim, head_dim**-0.5, torch.get_num_threads())
+
+
+def grouped_attention(
+    q: torch.Tensor,  # [q_len, heads, head_dim]
+    keys: torch.Tensor,  # [kv_heads, kv_len, head_dim]
+    values: torch.Tensor,  # [kv_heads, kv_len, head_dim]
+    mask: torch.Tensor | None,  # [q_len, kv_len] bool (True = attend), None = attend to all
+) -> torch.Tensor:  # [q_len, heads, head_dim]
+    """GQA as plain multi-query SDPA: the `group` query heads sharing a KV head become `group`
+    rows of one query block (head h = kv_head * group + g, as in HF's repeat_kv). ~20x faster on
+    this CPU than SDPA's enable_gqa path for decode-sized queries, and no K/V copies."""
+    q_len, heads, head_dim = q.shape
+    kv_heads = keys.shape[0]
+    group = heads // kv_heads
+    if q_len == 1:  # decode: the group's rows are already contiguous, views only (no copies)
+        o = F.scaled_dot_product_attention(q.view(1, kv_heads, group, head_dim), keys.unsqueeze(0), values.unsqueeze(0))
+        return o.view(1, heads, head_dim)
+    rows = q.view(q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(1, kv_heads, group * q_len, head_dim)
+    if mask is not None:
+        mask = mask.repeat(group, 1)  # [group * q_len, kv_len], row order (g, i) as in `rows`
+    o = F.scaled_dot_product_attention(rows, keys.unsqueeze(0), values.unsqueeze(0), attn_mask=mask)
+    return o.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, heads, head_dim)
+
+
+def per_row_attention(
+    q: torch.Tensor,  # [q_len, heads, head_dim] the rows of one continuing request
+    keys: torch.Tensor,  # [kv_heads, >= ctx_len + q_len, head_dim]
+    values: torch.Tensor,  # [kv_heads, >= ctx_len + q_len, head_dim]
+    ctx_len: int,
+) -> torch.Tensor:  # [q_len, heads, head_dim]
+    """The fallback: each row as plain decoding computes it, one 1-row SDPA over its prefix."""
+    return torch.cat([grouped_attention(q[i : i + 1], keys[:, : ctx_len + i + 1], values[:, : ctx_len + i + 1], None)
+                      for i in range(q.shape[0])])
+
+
+def reference_attention(
+    q: torch.Tensor,  # [heads, head_dim] one query row
+    keys: torch.Tensor,  # [kv_heads, n, head_dim] its prefix
+    values: torch.Tensor,  # [kv_heads, n, head_dim]
+) -> torch.Tensor:  # [heads, head_dim] fp64
+    """Exact attention in fp64, the yardstick for the kernel's accuracy."""
+    heads, kv_heads = q.shape[0], keys.shape[0]
+    k = keys.double().repeat_interleave(heads // kv_heads, dim=0)  # [heads, n, head_dim]
+    v = values.double().repeat_interleave(heads // kv_heads, dim=0)
+    scores = torch.einsum("hd,hnd->hn", q.double(), k) / q.shape[-1] ** 0.5  # [heads, n]
+    return torch.einsum("hn,hnd->hd", scores.softmax(-1), v)
