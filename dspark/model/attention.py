@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 
 _SOURCE = r"""
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -53,38 +52,62 @@ _SOURCE = r"""
 
 namespace {
 
-constexpr int64_t W = 16;  // lanes of every fixed-order partial sum
+// Explicit 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has
+// them, pairs or quads of narrower ones elsewhere, the same arithmetic either way). Every
+// floating-point operation of the kernel is a vector operation on whole lanes; there is no
+// scalar twin of any loop whose rounding could differ (contracted or not) from the vector one.
+constexpr int64_t W = 16;
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
-// a . b over n floats: lane l sums elements l, l+16, ... in order, then a fixed tree
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[W] = {0};
-  int64_t d = 0;
-  for (; d + W <= n; d += W)
-    for (int64_t l = 0; l < W; ++l) acc[l] = std::fma(a[d + l], b[d + l], acc[l]);
-  for (; d < n; ++d) acc[d % W] = std::fma(a[d], b[d], acc[d % W]);
-  for (int64_t w = W / 2; w > 0; w /= 2)
-    for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-  return acc[0];
+// the first n (<= 16) floats at p, zeros in the remaining lanes
+inline v16 load(const float* p, int64_t n = W) {
+  v16 x = {0};
+  std::memcpy(&x, p, n * sizeof(float));
+  return x;
 }
 
-// exp(x) for x <= 0 (Cephes expf: Cody-Waite range reduction, degree-5 polynomial, ~1 ulp);
-// x < -87 (and -inf padding) gives exactly 0.
-inline float exp_nonpos(float x) {
-  float xc = x < -87.0f ? -87.0f : x;
-  float n = std::floor(std::fma(xc, 1.44269504088896341f, 0.5f));
-  float r = std::fma(n, -0.693359375f, xc);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float y = 1.9875691500e-4f;
-  y = std::fma(y, r, 1.3981999507e-3f);
-  y = std::fma(y, r, 8.3334519073e-3f);
-  y = std::fma(y, r, 4.1665795894e-2f);
-  y = std::fma(y, r, 1.6666665459e-1f);
-  y = std::fma(y, r, 5.0000001201e-1f);
-  y = std::fma(y, r * r, r) + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n in [-126, 0]
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return x < -87.0f ? 0.0f : y * scale;
+inline void store(float* p, v16 x, int64_t n = W) { std::memcpy(p, &x, n * sizeof(float)); }
+
+inline v16 splat(float x) { return v16{} + x; }
+
+// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+inline float hsum(v16 x) {
+  v8 lo, hi;
+  std::memcpy(&lo, &x, 32);
+  std::memcpy(&hi, reinterpret_cast<char*>(&x) + 32, 32);
+  v8 a = lo + hi;
+  v4 alo, ahi;
+  std::memcpy(&alo, &a, 16);
+  std::memcpy(&ahi, reinterpret_cast<char*>(&a) + 16, 16);
+  v4 b = alo + ahi;
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0, lane by lane: Cephes expf (Cody-Waite reduction, degree-5 polynomial,
+// ~1 ulp); x < -87 (and the -inf of padding) gives exactly 0.
+inline v16 exp_nonpos(v16 x) {
+  const v16i tiny = x < -87.0f;
+  v16 xc = tiny ? splat(-87.0f) : x;
+  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  v16 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;  // 2^n, n in [-126, 0]
+  v16 pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
+  v16 res;
+  std::memcpy(&res, &out, sizeof res);
+  return res;
 }
 
 }  // namespace
@@ -109,6 +132,93 @@ void dspark_write_kv(const float* k, int64_t k_tok_stride, int64_t k_head_stride
   }
 }
 
+}  // extern "C"
+
+namespace {
+
+// One (row, KV head) task: the `group` query heads of KV head `kvh` of one row, over the row's
+// first n keys. CH: 16-lane chunks per head (compile-time, so chunk loops unroll into
+// registers); the last chunk holds `last` lanes, zero-padded.
+template <int CH>
+void attend_task(const float* Q, const float* K, const float* V, float* O, int64_t n, int64_t group,
+                 int64_t hd, int64_t last, float scale, std::vector<float>& s, std::vector<v16>& qv,
+                 std::vector<v16>& o, std::vector<float>& denom) {
+  auto ld = [last](const float* p, int c) { return c + 1 < CH || last == W ? load(p) : load(p, last); };
+  const int64_t npad = (n + W - 1) / W * W;
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < CH; ++c) qv[g * CH + c] = ld(Q + g * hd + c * W, c);
+  s.assign(group * npad, -std::numeric_limits<float>::infinity());
+  // scores: lane l sums q . k over elements l, l+16, ... in order, then the fixed hsum tree
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = K + j * hd;
+    v16 kc[CH];
+    for (int c = 0; c < CH; ++c) kc[c] = ld(kj + c * W, c);
+    for (int64_t g = 0; g < group; ++g) {
+      v16 acc = qv[g * CH] * kc[0];
+      for (int c = 1; c < CH; ++c) acc = qv[g * CH + c] * kc[c] + acc;
+      s[g * npad + j] = hsum(acc) * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = s.data() + g * npad;
+    v16 mv = splat(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < npad; j += W) {
+      v16 x = load(sg + j);
+      mv = x > mv ? x : mv;
+    }
+    float m = mv[0];  // max is exact: any order gives the same value
+    for (int l = 1; l < W; ++l) m = mv[l] > m ? mv[l] : m;
+    v16 acc = {0};
+    for (int64_t j = 0; j < npad; j += W) {  // padding (-inf) gives exact zeros
+      v16 p = exp_nonpos(load(sg + j) - m);
+      store(sg + j, p);
+      acc = acc + p;
+    }
+    denom[g] = hsum(acc);
+  }
+  for (auto& x : o) x = v16{};
+  // output: sum_j p_j v_j sequential in j, each lane on its own
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = V + j * hd;
+    v16 vc[CH];
+    for (int c = 0; c < CH; ++c) vc[c] = ld(vj + c * W, c);
+    for (int64_t g = 0; g < group; ++g) {
+      const v16 p = splat(s[g * npad + j]);
+      for (int c = 0; c < CH; ++c) o[g * CH + c] = p * vc[c] + o[g * CH + c];
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < CH; ++c) {
+      v16 x = o[g * CH + c] / denom[g];
+      if (c + 1 < CH || last == W) store(O + g * hd + c * W, x);
+      else store(O + g * hd + c * W, x, last);
+    }
+}
+
+typedef void (*task_fn)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                        float, std::vector<float>&, std::vector<v16>&, std::vector<v16>&, std::vector<float>&);
+
+task_fn task_for(int64_t chunks) {
+  switch (chunks) {
+    case 1: return attend_task<1>;
+    case 2: return attend_task<2>;
+    case 3: return attend_task<3>;
+    case 4: return attend_task<4>;
+    case 5: return attend_task<5>;
+    case 6: return attend_task<6>;
+    case 8: return attend_task<8>;
+    case 16: return attend_task<16>;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether the kernel handles this head size (1-6, 8 or 16 chunks of 16 lanes).
+int dspark_supports(int64_t hd) { return task_for((hd + W - 1) / W) != nullptr; }
+
 // Attention of `rows` query rows, each over the first row_prefix[i] keys of its request's cache.
 // q: token row_tok[i] at q + row_tok[i] * q_tok_stride, heads contiguous ([heads, hd]);
 // out: [num_tokens, heads, hd] contiguous, written at the same token rows. Query head
@@ -118,49 +228,24 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
                    const int64_t* kbufs, const int64_t* vbufs, const int64_t* caps,
                    int64_t layer, int64_t heads, int64_t kv_heads, int64_t hd, float scale, int num_threads) {
   const int64_t group = heads / kv_heads;
+  const int64_t chunks = (hd + W - 1) / W;
+  const int64_t last = hd - (chunks - 1) * W;  // lanes of the last chunk
+  const task_fn task_fn_ = task_for(chunks);
   const int64_t tasks = rows * kv_heads;
 #pragma omp parallel num_threads(num_threads)
   {
     std::vector<float> s;  // [group, npad] scores, then probabilities
-    std::vector<float> o(group * hd);  // [group, hd] unnormalised output
+    std::vector<v16> qv(group * chunks), o(group * chunks);  // [group, chunks] query, unnormalised output
     std::vector<float> denom(group);  // [group] softmax denominators
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t i = task / kv_heads, kvh = task % kv_heads;
-      const int64_t r = row_req[i], cap = caps[r], n = row_prefix[i];
-      const int64_t npad = (n + W - 1) / W * W;
+      const int64_t r = row_req[i], cap = caps[r];
       const float* K = reinterpret_cast<const float*>(kbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
       const float* V = reinterpret_cast<const float*>(vbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
       const float* Q = q + row_tok[i] * q_tok_stride + kvh * group * hd;  // [group, hd]
       float* O = out + (row_tok[i] * heads + kvh * group) * hd;  // [group, hd]
-      s.assign(group * npad, -std::numeric_limits<float>::infinity());
-      for (int64_t j = 0; j < n; ++j)
-        for (int64_t g = 0; g < group; ++g) s[g * npad + j] = dot(Q + g * hd, K + j * hd, hd) * scale;
-      std::fill(o.begin(), o.end(), 0.0f);
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = s.data() + g * npad;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < n; ++j) m = sg[j] > m ? sg[j] : m;
-        float acc[W] = {0};
-        for (int64_t j = 0; j < npad; j += W)  // padding (-inf) gives exact zeros
-          for (int64_t l = 0; l < W; ++l) {
-            sg[j + l] = exp_nonpos(sg[j + l] - m);
-            acc[l] += sg[j + l];
-          }
-        for (int64_t w = W / 2; w > 0; w /= 2)
-          for (int64_t l = 0; l < w; ++l) acc[l] += acc[l + w];
-        denom[g] = acc[0];
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vj = V + j * hd;
-        for (int64_t g = 0; g < group; ++g) {
-          const float p = s[g * npad + j];
-          float* og = o.data() + g * hd;
-          for (int64_t d = 0; d < hd; ++d) og[d] = std::fma(p, vj[d], og[d]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < hd; ++d) O[g * hd + d] = o[g * hd + d] / denom[g];
+      task_fn_(Q, K, V, O, row_prefix[i], group, hd, last, scale, s, qv, o, denom);
     }
   }
 }
@@ -168,7 +253,7 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
 }  // extern "C"
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
 
 _kernel: ctypes.CDLL | None = None
 _kernel_error: str | None = None
@@ -215,12 +300,16 @@ def load_kernel() -> ctypes.CDLL | None:
     lib.dspark_write_kv.restype = None
     lib.dspark_attend.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     lib.dspark_attend.restype = None
+    lib.dspark_supports.argtypes = [i64]
+    lib.dspark_supports.restype = ctypes.c_int
     _kernel = lib
     return lib
 
 
-def kernel_available() -> bool:
-    return load_kernel() is not None
+def kernel_available(head_dim: int | None = None) -> bool:
+    """Whether the kernel is built (and handles `head_dim`: at most 96, 113-128 or 241-256)."""
+    lib = load_kernel()
+    return lib is not None and (head_dim is None or bool(lib.dspark_supports(head_dim)))
 
 
 class CacheTable:

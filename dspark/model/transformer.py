@@ -305,7 +305,7 @@ class Transformer(nn.Module):
         in use."""
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {list(ATTENTION_MODES)}, got {mode!r}")
-        if mode == "batched" and not attention.kernel_available():
+        if mode == "batched" and not attention.kernel_available(self.config.head_dim):
             mode = "per-row"
         self.attention = mode
         for layer in self.layers:
