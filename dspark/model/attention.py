@@ -86,6 +86,26 @@ inline float hsum(v16 x) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+// x[jj] (16 lanes each) -> lane jj = the sum of x[jj]'s lanes, by 4 levels of pairwise
+// shuffle-and-add: level k adds the two halves of every 16 >> k lane segment of two vectors,
+// so every key's 16 lanes go through the same tree; the last shuffle undoes the bit-reversed
+// key order the levels leave.
+inline v16 transpose_reduce(const v16* x) {
+  v16 y[8], z[4], w[2];
+  for (int p = 0; p < 8; ++p)
+    y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(x[2 * p], x[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 4; ++p)
+    z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(y[2 * p], y[2 * p + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)
+    w[p] = __builtin_shufflevector(z[2 * p], z[2 * p + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(z[2 * p], z[2 * p + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const v16 f = __builtin_shufflevector(w[0], w[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 // exp(x) for x <= 0, lane by lane: Cephes expf (Cody-Waite reduction, degree-5 polynomial,
 // ~1 ulp); x < -87 (and the -inf of padding) gives exactly 0.
 inline v16 exp_nonpos(v16 x) {
@@ -142,21 +162,37 @@ namespace {
 template <int CH>
 void attend_task(const float* Q, const float* K, const float* V, float* O, int64_t n, int64_t group,
                  int64_t hd, int64_t last, float scale, std::vector<float>& s, std::vector<v16>& qv,
-                 std::vector<v16>& o, std::vector<float>& denom) {
+                 std::vector<v16>& o, std::vector<float>& denom, std::vector<float>& tail) {
   auto ld = [last](const float* p, int c) { return c + 1 < CH || last == W ? load(p) : load(p, last); };
   const int64_t npad = (n + W - 1) / W * W;
   for (int64_t g = 0; g < group; ++g)
     for (int c = 0; c < CH; ++c) qv[g * CH + c] = ld(Q + g * hd + c * W, c);
-  s.assign(group * npad, -std::numeric_limits<float>::infinity());
-  // scores: lane l sums q . k over elements l, l+16, ... in order, then the fixed hsum tree
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = K + j * hd;
-    v16 kc[CH];
-    for (int c = 0; c < CH; ++c) kc[c] = ld(kj + c * W, c);
+  s.resize(group * npad);
+  // Scores, 16 keys at a time: acc[jj] = lane-wise partial sums of q . k_jj over elements
+  // l, l+16, ... in order, then one transpose-reduce tree turns the 16 accumulators into the 16
+  // dot products (every key summed by the same tree shape; 3 ops per key instead of a full
+  // horizontal sum each). Keys past the prefix are read as zeros and masked to -inf.
+  for (int64_t j0 = 0; j0 < npad; j0 += W) {
+    const int64_t valid = n - j0 < W ? n - j0 : W;
+    const float* kb = K + j0 * hd;  // [16, hd]
+    if (valid < W) {  // the last, partial block: zero-padded copy (never read past the cache)
+      tail.assign(W * hd, 0.0f);
+      std::memcpy(tail.data(), kb, valid * hd * sizeof(float));
+      kb = tail.data();
+    }
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16i live = lane < static_cast<int32_t>(valid);
     for (int64_t g = 0; g < group; ++g) {
-      v16 acc = qv[g * CH] * kc[0];
-      for (int c = 1; c < CH; ++c) acc = qv[g * CH + c] * kc[c] + acc;
-      s[g * npad + j] = hsum(acc) * scale;
+      v16 qg[CH], acc[W];
+      for (int c = 0; c < CH; ++c) qg[c] = qv[g * CH + c];
+      for (int jj = 0; jj < W; ++jj) {
+        const float* kj = kb + jj * hd;
+        v16 a = qg[0] * ld(kj, 0);
+        for (int c = 1; c < CH; ++c) a = qg[c] * ld(kj + c * W, c) + a;
+        acc[jj] = a;
+      }
+      const v16 dots = transpose_reduce(acc) * scale;
+      store(s.data() + g * npad + j0, live ? dots : splat(-std::numeric_limits<float>::infinity()));
     }
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -176,27 +212,38 @@ void attend_task(const float* Q, const float* K, const float* V, float* O, int64
     }
     denom[g] = hsum(acc);
   }
-  for (auto& x : o) x = v16{};
-  // output: sum_j p_j v_j sequential in j, each lane on its own
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = V + j * hd;
-    v16 vc[CH];
-    for (int c = 0; c < CH; ++c) vc[c] = ld(vj + c * W, c);
-    for (int64_t g = 0; g < group; ++g) {
-      const v16 p = splat(s[g * npad + j]);
-      for (int c = 0; c < CH; ++c) o[g * CH + c] = p * vc[c] + o[g * CH + c];
+  // output: sum_j p_j v_j, each lane on its own, in two interleaved sequential sums (even and
+  // odd keys, added at the end: twice the independent FMA chains); one head at a time so that
+  // its accumulators stay in registers
+  for (int64_t g = 0; g < group; ++g) {
+    v16 acc[CH], odd[CH];
+    for (int c = 0; c < CH; ++c) acc[c] = odd[c] = v16{};
+    const float* pg = s.data() + g * npad;
+    int64_t j = 0;
+    for (; j + 1 < n; j += 2) {
+      const v16 p0 = splat(pg[j]), p1 = splat(pg[j + 1]);
+      const float* v0 = V + j * hd;
+      for (int c = 0; c < CH; ++c) {
+        acc[c] = p0 * ld(v0 + c * W, c) + acc[c];
+        odd[c] = p1 * ld(v0 + hd + c * W, c) + odd[c];
+      }
     }
-  }
-  for (int64_t g = 0; g < group; ++g)
+    if (j < n) {
+      const v16 p0 = splat(pg[j]);
+      for (int c = 0; c < CH; ++c) acc[c] = p0 * ld(V + j * hd + c * W, c) + acc[c];
+    }
+    for (int c = 0; c < CH; ++c) acc[c] = acc[c] + odd[c];
     for (int c = 0; c < CH; ++c) {
-      v16 x = o[g * CH + c] / denom[g];
+      const v16 x = acc[c] / denom[g];
       if (c + 1 < CH || last == W) store(O + g * hd + c * W, x);
       else store(O + g * hd + c * W, x, last);
     }
+  }
 }
 
 typedef void (*task_fn)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                        float, std::vector<float>&, std::vector<v16>&, std::vector<v16>&, std::vector<float>&);
+                        float, std::vector<float>&, std::vector<v16>&, std::vector<v16>&, std::vector<float>&,
+                        std::vector<float>&);
 
 task_fn task_for(int64_t chunks) {
   switch (chunks) {
@@ -237,6 +284,7 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
     std::vector<float> s;  // [group, npad] scores, then probabilities
     std::vector<v16> qv(group * chunks), o(group * chunks);  // [group, chunks] query, unnormalised output
     std::vector<float> denom(group);  // [group] softmax denominators
+    std::vector<float> tail;  // [16, hd] zero-padded last key block
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t i = task / kv_heads, kvh = task % kv_heads;
@@ -245,7 +293,7 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
       const float* V = reinterpret_cast<const float*>(vbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
       const float* Q = q + row_tok[i] * q_tok_stride + kvh * group * hd;  // [group, hd]
       float* O = out + (row_tok[i] * heads + kvh * group) * hd;  // [group, hd]
-      task_fn_(Q, K, V, O, row_prefix[i], group, hd, last, scale, s, qv, o, denom);
+      task_fn_(Q, K, V, O, row_prefix[i], group, hd, last, scale, s, qv, o, denom, tail);
     }
   }
 }
