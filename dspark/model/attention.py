@@ -156,94 +156,140 @@ void dspark_write_kv(const float* k, int64_t k_tok_stride, int64_t k_head_stride
 
 namespace {
 
-// One (row, KV head) task: the `group` query heads of KV head `kvh` of one row, over the row's
-// first n keys. CH: 16-lane chunks per head (compile-time, so chunk loops unroll into
-// registers); the last chunk holds `last` lanes, zero-padded.
+constexpr int RB = 8;  // rows of one request that share a task (and its K/V reads)
+
+struct Rows {  // the rows of one task: consecutive rows of one request
+  int count;
+  const float* q[RB];  // [group, hd] each
+  float* o[RB];  // [group, hd] each
+  int64_t n[RB];  // keys each row attends to
+};
+
+struct Scratch {
+  std::vector<float> s;  // [RB, group, npad] scores, then probabilities
+  std::vector<v16> qv;  // [RB, group, CH] queries
+  std::vector<v16> acc;  // [RB, group, 2, CH] output accumulators (even and odd keys)
+  std::vector<float> denom;  // [RB, group] softmax denominators
+  std::vector<float> tail;  // [16, hd] zero-padded last key block
+};
+
+// One task: the `group` query heads of one KV head for up to RB rows of one request, each row
+// over its own first n keys. The rows only share memory reads (a key or value block is loaded
+// once for all of them); each row's arithmetic is exactly what it gets alone, so a row's
+// output does not depend on which rows share its task. CH: 16-lane chunks per head
+// (compile-time, so chunk loops unroll into registers); the last chunk holds `last` lanes.
 template <int CH>
-void attend_task(const float* Q, const float* K, const float* V, float* O, int64_t n, int64_t group,
-                 int64_t hd, int64_t last, float scale, std::vector<float>& s, std::vector<v16>& qv,
-                 std::vector<v16>& o, std::vector<float>& denom, std::vector<float>& tail) {
+void attend_task(const Rows& rows, const float* K, const float* V, int64_t group, int64_t hd, int64_t last,
+                 float scale, Scratch& sc) {
   auto ld = [last](const float* p, int c) { return c + 1 < CH || last == W ? load(p) : load(p, last); };
-  const int64_t npad = (n + W - 1) / W * W;
-  for (int64_t g = 0; g < group; ++g)
-    for (int c = 0; c < CH; ++c) qv[g * CH + c] = ld(Q + g * hd + c * W, c);
-  s.resize(group * npad);
+  const int R = rows.count;
+  int64_t nmax = 0;
+  for (int r = 0; r < R; ++r) nmax = rows.n[r] > nmax ? rows.n[r] : nmax;
+  const int64_t npad = (nmax + W - 1) / W * W;  // the scores' row stride, >= every row's padded length
+  sc.s.resize(R * group * npad);
+  sc.qv.resize(R * group * CH);
+  sc.acc.assign(R * group * 2 * CH, v16{});
+  sc.denom.resize(R * group);
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      for (int c = 0; c < CH; ++c) sc.qv[(r * group + g) * CH + c] = ld(rows.q[r] + g * hd + c * W, c);
+
   // Scores, 16 keys at a time: acc[jj] = lane-wise partial sums of q . k_jj over elements
   // l, l+16, ... in order, then one transpose-reduce tree turns the 16 accumulators into the 16
-  // dot products (every key summed by the same tree shape; 3 ops per key instead of a full
-  // horizontal sum each). Keys past the prefix are read as zeros and masked to -inf.
+  // dot products (lanes never mix keys, so a key's score does not depend on its neighbours).
+  // Keys past a row's prefix are masked to -inf; past every row's, read as zeros (never past
+  // the cache).
+  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t j0 = 0; j0 < npad; j0 += W) {
-    const int64_t valid = n - j0 < W ? n - j0 : W;
     const float* kb = K + j0 * hd;  // [16, hd]
-    if (valid < W) {  // the last, partial block: zero-padded copy (never read past the cache)
-      tail.assign(W * hd, 0.0f);
-      std::memcpy(tail.data(), kb, valid * hd * sizeof(float));
-      kb = tail.data();
+    if (nmax - j0 < W) {
+      sc.tail.assign(W * hd, 0.0f);
+      std::memcpy(sc.tail.data(), kb, (nmax - j0) * hd * sizeof(float));
+      kb = sc.tail.data();
     }
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16i live = lane < static_cast<int32_t>(valid);
+    for (int r = 0; r < R; ++r) {
+      if (j0 >= rows.n[r]) continue;
+      const v16i live = lane < static_cast<int32_t>(rows.n[r] - j0);
+      for (int64_t g = 0; g < group; ++g) {
+        v16 qg[CH], acc[W];
+        for (int c = 0; c < CH; ++c) qg[c] = sc.qv[(r * group + g) * CH + c];
+        for (int jj = 0; jj < W; ++jj) {
+          const float* kj = kb + jj * hd;
+          v16 a = qg[0] * ld(kj, 0);
+          for (int c = 1; c < CH; ++c) a = qg[c] * ld(kj + c * W, c) + a;
+          acc[jj] = a;
+        }
+        const v16 dots = transpose_reduce(acc) * scale;
+        store(sc.s.data() + (r * group + g) * npad + j0, live ? dots : splat(-std::numeric_limits<float>::infinity()));
+      }
+    }
+  }
+
+  // softmax: exact max, exp by the fixed polynomial, the sum in 16 lanes + the fixed tree
+  for (int r = 0; r < R; ++r) {
+    const int64_t nr = (rows.n[r] + W - 1) / W * W;
     for (int64_t g = 0; g < group; ++g) {
-      v16 qg[CH], acc[W];
-      for (int c = 0; c < CH; ++c) qg[c] = qv[g * CH + c];
-      for (int jj = 0; jj < W; ++jj) {
-        const float* kj = kb + jj * hd;
-        v16 a = qg[0] * ld(kj, 0);
-        for (int c = 1; c < CH; ++c) a = qg[c] * ld(kj + c * W, c) + a;
-        acc[jj] = a;
+      float* sg = sc.s.data() + (r * group + g) * npad;
+      v16 mv = splat(-std::numeric_limits<float>::infinity());
+      for (int64_t j = 0; j < nr; j += W) {
+        v16 x = load(sg + j);
+        mv = x > mv ? x : mv;
       }
-      const v16 dots = transpose_reduce(acc) * scale;
-      store(s.data() + g * npad + j0, live ? dots : splat(-std::numeric_limits<float>::infinity()));
+      float m = mv[0];  // max is exact: any order gives the same value
+      for (int l = 1; l < W; ++l) m = mv[l] > m ? mv[l] : m;
+      v16 acc = {0};
+      for (int64_t j = 0; j < nr; j += W) {  // padding (-inf) gives exact zeros
+        v16 p = exp_nonpos(load(sg + j) - m);
+        store(sg + j, p);
+        acc = acc + p;
+      }
+      sc.denom[r * group + g] = hsum(acc);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = s.data() + g * npad;
-    v16 mv = splat(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < npad; j += W) {
-      v16 x = load(sg + j);
-      mv = x > mv ? x : mv;
-    }
-    float m = mv[0];  // max is exact: any order gives the same value
-    for (int l = 1; l < W; ++l) m = mv[l] > m ? mv[l] : m;
-    v16 acc = {0};
-    for (int64_t j = 0; j < npad; j += W) {  // padding (-inf) gives exact zeros
-      v16 p = exp_nonpos(load(sg + j) - m);
-      store(sg + j, p);
-      acc = acc + p;
-    }
-    denom[g] = hsum(acc);
-  }
+
   // output: sum_j p_j v_j, each lane on its own, in two interleaved sequential sums (even and
-  // odd keys, added at the end: twice the independent FMA chains); one head at a time so that
-  // its accumulators stay in registers
-  for (int64_t g = 0; g < group; ++g) {
-    v16 acc[CH], odd[CH];
-    for (int c = 0; c < CH; ++c) acc[c] = odd[c] = v16{};
-    const float* pg = s.data() + g * npad;
-    int64_t j = 0;
-    for (; j + 1 < n; j += 2) {
-      const v16 p0 = splat(pg[j]), p1 = splat(pg[j + 1]);
-      const float* v0 = V + j * hd;
-      for (int c = 0; c < CH; ++c) {
-        acc[c] = p0 * ld(v0 + c * W, c) + acc[c];
-        odd[c] = p1 * ld(v0 + hd + c * W, c) + odd[c];
+  // odd keys, added at the end). Values in blocks of 16 keys, each block used by every row;
+  // a (row, head)'s accumulators stay in registers within a block.
+  for (int64_t j0 = 0; j0 < nmax; j0 += W) {
+    for (int r = 0; r < R; ++r) {
+      const int64_t n = rows.n[r];
+      if (j0 >= n) continue;
+      const int64_t end = n - j0 < W ? n : j0 + W;
+      for (int64_t g = 0; g < group; ++g) {
+        v16* a = sc.acc.data() + (r * group + g) * 2 * CH;
+        v16 even[CH], odd[CH];
+        for (int c = 0; c < CH; ++c) even[c] = a[c], odd[c] = a[CH + c];
+        const float* pg = sc.s.data() + (r * group + g) * npad;
+        int64_t j = j0;
+        for (; j + 1 < end; j += 2) {
+          const v16 p0 = splat(pg[j]), p1 = splat(pg[j + 1]);
+          const float* v0 = V + j * hd;
+          for (int c = 0; c < CH; ++c) {
+            even[c] = p0 * ld(v0 + c * W, c) + even[c];
+            odd[c] = p1 * ld(v0 + hd + c * W, c) + odd[c];
+          }
+        }
+        if (j < end) {  // only at the row's last key (blocks are even-sized): n odd
+          const v16 p0 = splat(pg[j]);
+          for (int c = 0; c < CH; ++c) even[c] = p0 * ld(V + j * hd + c * W, c) + even[c];
+        }
+        for (int c = 0; c < CH; ++c) a[c] = even[c], a[CH + c] = odd[c];
       }
     }
-    if (j < n) {
-      const v16 p0 = splat(pg[j]);
-      for (int c = 0; c < CH; ++c) acc[c] = p0 * ld(V + j * hd + c * W, c) + acc[c];
-    }
-    for (int c = 0; c < CH; ++c) acc[c] = acc[c] + odd[c];
-    for (int c = 0; c < CH; ++c) {
-      const v16 x = acc[c] / denom[g];
-      if (c + 1 < CH || last == W) store(O + g * hd + c * W, x);
-      else store(O + g * hd + c * W, x, last);
-    }
   }
+  for (int r = 0; r < R; ++r)
+    for (int64_t g = 0; g < group; ++g) {
+      const v16* a = sc.acc.data() + (r * group + g) * 2 * CH;
+      float* O = rows.o[r] + g * hd;
+      for (int c = 0; c < CH; ++c) {
+        const v16 x = (a[c] + a[CH + c]) / sc.denom[r * group + g];
+        if (c + 1 < CH || last == W) store(O + c * W, x);
+        else store(O + c * W, x, last);
+      }
+    }
 }
 
-typedef void (*task_fn)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
-                        float, std::vector<float>&, std::vector<v16>&, std::vector<v16>&, std::vector<float>&,
-                        std::vector<float>&);
+typedef void (*task_fn)(const Rows&, const float*, const float*, int64_t, int64_t, int64_t, float, Scratch&);
 
 task_fn task_for(int64_t chunks) {
   switch (chunks) {
@@ -277,23 +323,35 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
   const int64_t group = heads / kv_heads;
   const int64_t chunks = (hd + W - 1) / W;
   const int64_t last = hd - (chunks - 1) * W;  // lanes of the last chunk
-  const task_fn task_fn_ = task_for(chunks);
-  const int64_t tasks = rows * kv_heads;
+  const task_fn run = task_for(chunks);
+  // row blocks: runs of at most RB consecutive rows of the same request
+  std::vector<int64_t> starts;
+  for (int64_t i = 0; i < rows; ++i)
+    if (i == 0 || row_req[i] != row_req[i - 1] || i - starts.back() == RB) starts.push_back(i);
+  starts.push_back(rows);
+  const int64_t blocks = static_cast<int64_t>(starts.size()) - 1;
+  const int64_t tasks = blocks * kv_heads;
+  int64_t work = 0;  // (key, KV head) pairs: ~10 ns each
+  for (int64_t i = 0; i < rows; ++i) work += row_prefix[i] * kv_heads;
+  if (work < 4096) num_threads = 1;  // below ~40 us waking a thread costs more than it saves
 #pragma omp parallel num_threads(num_threads)
   {
-    std::vector<float> s;  // [group, npad] scores, then probabilities
-    std::vector<v16> qv(group * chunks), o(group * chunks);  // [group, chunks] query, unnormalised output
-    std::vector<float> denom(group);  // [group] softmax denominators
-    std::vector<float> tail;  // [16, hd] zero-padded last key block
+    Scratch sc;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t i = task / kv_heads, kvh = task % kv_heads;
-      const int64_t r = row_req[i], cap = caps[r];
+      const int64_t b = task / kv_heads, kvh = task % kv_heads;
+      const int64_t r = row_req[starts[b]], cap = caps[r];
       const float* K = reinterpret_cast<const float*>(kbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
       const float* V = reinterpret_cast<const float*>(vbufs[r]) + ((layer * kv_heads + kvh) * cap) * hd;  // [cap, hd]
-      const float* Q = q + row_tok[i] * q_tok_stride + kvh * group * hd;  // [group, hd]
-      float* O = out + (row_tok[i] * heads + kvh * group) * hd;  // [group, hd]
-      task_fn_(Q, K, V, O, row_prefix[i], group, hd, last, scale, s, qv, o, denom, tail);
+      Rows block;
+      block.count = static_cast<int>(starts[b + 1] - starts[b]);
+      for (int k = 0; k < block.count; ++k) {
+        const int64_t i = starts[b] + k;
+        block.q[k] = q + row_tok[i] * q_tok_stride + kvh * group * hd;
+        block.o[k] = out + (row_tok[i] * heads + kvh * group) * hd;
+        block.n[k] = row_prefix[i];
+      }
+      run(block, K, V, group, hd, last, scale, sc);
     }
   }
 }

@@ -37,8 +37,10 @@ def test_a_row_is_bit_identical_alone_and_inside_any_batch_at_any_thread_count(h
     g = torch.Generator().manual_seed(0)
     lengths = [1, 5, 16, 17, 200, 63, 130, 2]
     caches = [_cache(n, n + 9, head_dim, g) for n in lengths]
-    # every request contributes its last 1..4 positions as rows (decode and verification rows)
-    rows = [(r, n - i) for r, n in enumerate(lengths) for i in range(min(n, 1 + r % 4))]
+    # every request contributes its last 1..4 positions as rows (decode and verification rows),
+    # one its last 13 (more than the kernel's 8-row blocks)
+    counts = [13 if n == 200 else 1 + r % 4 for r, n in enumerate(lengths)]
+    rows = [(r, n - i) for r, n in enumerate(lengths) for i in reversed(range(min(n, counts[r])))]
     q = torch.randn(len(rows), HEADS, head_dim, generator=g)  # [rows, heads, head_dim]
     threads = torch.get_num_threads()
     try:
