@@ -7,7 +7,7 @@ SDPA does not give that (its blocking, hence its rounding, follows the shapes), 
 transformer used to call a 1-row SDPA per row per layer (240 calls for 8 query tokens on the
 30-layer SmolLM2-135M, one call per request per layer in high-batch decode).
 
-`attend_rows` runs every continuing row of a batch (decode rows and verification rows alike) in
+`attend_rows` runs every query row of a batch (prefill, decode and verification rows alike) in
 one call per layer: a small C++ kernel, compiled with the system C++ compiler at first use and
 loaded through ctypes, that reads each request's K/V in place from its own cache buffer (no
 gather: each request owns a separate buffer, and copying every row's prefix into one padded
@@ -20,10 +20,16 @@ same fixed sequence of floating-point operations over the row's own prefix:
           depend on its place in the loop), l = sum_j p_j in 16 lanes + fixed tree
   output  o = (sum_j p_j v_j, sequential in j) / l
 
-The tasks are independent, so threading splits them without touching their arithmetic, and the
-compiler is told not to contract a*b+c on its own (-ffp-contract=off; fusions are explicit fma
-calls), so vector and scalar code of the same statement round alike. Pure torch cannot do this
-without the gather: its reductions and exp depend on shapes, offsets and thread splits.
+Every floating-point operation is written on explicit 16-lane vectors, so no loop has a scalar
+twin (an epilogue, an alignment peel) that could round differently from its vector body. Up to
+8 rows of one request share a task, which only shares memory reads. Tasks are independent, so
+threading splits them without touching their arithmetic. Pure torch cannot do this without the
+gather, and its reductions and exp depend on shapes, offsets and thread splits.
+
+Measured (SmolLM2-135M shapes, 200 cached tokens, one layer, 1 thread): 64 verification rows of
+one request 0.64 ms vs 2.4-3.8 ms per-row SDPA, 64 one-token decodes 0.8-1.3 ms vs 3.9-5.0 ms
+(memory-bound: 64 separate caches), a 200-token prefill 0.57 ms vs 1.3 ms for the masked SDPA.
+Accuracy: closer to fp64 attention than the fp32 SDPA it replaces (tests/model/test_attention.py).
 
 Where the kernel cannot be built (no C++ compiler, KV not on the CPU) the transformer falls back
 to the per-row SDPA path (`per_row_attention`), which is also batch-invariant, only slower. A
