@@ -385,26 +385,44 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+def _build(path: Path) -> None:
+    """Compile the kernel to `path`: into a temporary file beside it, then an atomic rename, so
+    that concurrent builders (test workers, service processes) each publish a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    compiler = os.environ.get("CXX", "c++")
+    fd, tmp_lib = tempfile.mkstemp(dir=path.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "attention.cpp"
+            src.write_text(_SOURCE)
+            subprocess.run([compiler, *_FLAGS, str(src), "-o", tmp_lib], check=True, capture_output=True, text=True)
+        os.replace(tmp_lib, path)
+    finally:
+        if os.path.exists(tmp_lib):
+            os.unlink(tmp_lib)
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use (about a second); None where that fails."""
     global _kernel, _kernel_error
     if _kernel is not None or _kernel_error is not None:
         return _kernel
     digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"dspark_attention_{digest}.so"
-    try:
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            compiler = os.environ.get("CXX", "c++")
-            with tempfile.TemporaryDirectory() as tmp:
-                src, lib = Path(tmp) / "attention.cpp", Path(tmp) / "attention.so"
-                src.write_text(_SOURCE)
-                subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib)], check=True, capture_output=True, text=True)
-                os.replace(lib, path)  # atomic: concurrent builders each publish a whole file
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        _kernel_error = f"batched attention kernel unavailable ({detail.strip()[:500]}); using per-row SDPA"
+    name = f"dspark_attention_{digest}.so"
+    errors = []
+    # the user's cache first, then the temporary directory (a read-only home in a container)
+    for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "dspark-kernels"):
+        path = directory / name
+        try:
+            if not path.exists():
+                _build(path)
+            lib = ctypes.CDLL(str(path))
+            break
+        except (OSError, subprocess.CalledProcessError) as e:
+            errors.append((getattr(e, "stderr", "") or str(e)).strip()[:500])
+    else:
+        _kernel_error = f"batched attention kernel unavailable ({'; '.join(errors)}); using per-row SDPA"
         warnings.warn(_kernel_error, RuntimeWarning, stacklevel=2)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
