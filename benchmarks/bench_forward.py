@@ -2,6 +2,7 @@
 
     python benchmarks/bench_forward.py --max-batch 256 [--plot forward.png]
     python benchmarks/bench_forward.py --compare-attention [--context 200 --repeats 7]
+    python benchmarks/bench_forward.py --compare-fused [--context 200 --repeats 7]
 
 Roofline (ARCHITECTURE.md): a step must at least stream the weights once (bf16 linear layers +
 the fp32 LM head) at the measured memory bandwidth, and do 2·params FLOPs per token at the bf16
@@ -41,12 +42,20 @@ def measure_bf16_gflops() -> float:
     return 5 * 2 * 64 * 4096 * 4096 / (time.perf_counter() - t0) / 1e9
 
 
-def compare_attention(runtime: TargetRuntime, *, context_len: int, repeats: int, blocks: list[int], decodes: list[int]) -> None:
-    """Forward ms per step with the batched attention kernel vs the per-row SDPA path, in the
-    same process and interleaved (sample i of both modes back to back), on two shapes: one
-    request verifying B tokens over `context_len` cached ones, and C requests decoding one
-    token each over `context_len` cached tokens. Medians of `repeats`."""
+ATTENTION_MODES = {"per-row": lambda m: m.set_attention("per-row"), "batched": lambda m: m.set_attention("batched")}
+FUSED_MODES = {"torch ops": lambda m: (m.set_attention("batched"), m.set_fused(False)),
+               "fused": lambda m: (m.set_attention("batched"), m.set_fused(True))}
+
+
+def compare_attention(runtime: TargetRuntime, *, context_len: int, repeats: int, blocks: list[int], decodes: list[int],
+                      modes: dict = ATTENTION_MODES) -> None:
+    """Forward ms per step (logits of one row included) in two modes (the batched attention
+    kernel vs the per-row SDPA path, or `modes`), in the same process and interleaved (sample i
+    of both modes back to back), on two shapes: one request verifying B tokens over
+    `context_len` cached ones, and C requests decoding one token each over `context_len`
+    cached tokens. Medians of `repeats`."""
     model = runtime.model
+    (name_a, set_a), (name_b, set_b) = modes.items()
     gen = torch.Generator().manual_seed(0)
     vocab = runtime.vocab_size
     shapes = [("verify", b, [b]) for b in blocks] + [("decode", c, [1] * c) for c in decodes]
@@ -62,24 +71,25 @@ def compare_attention(runtime: TargetRuntime, *, context_len: int, repeats: int,
         for kind, size, lens in shapes:
             batch_ids = ids[: len(lens)]
             tokens = torch.randint(0, vocab, (sum(lens),), generator=gen)
-            samples = {"per-row": [], "batched": []}
+            samples = {name_a: [], name_b: []}
             for i in range(repeats + 1):  # the first round warms caches and allocator
                 for mode in samples:
-                    model.set_attention(mode)
+                    modes[mode](model)
                     t0 = time.perf_counter()
                     runtime.forward(batch_ids, tokens, lens, logits_indices=torch.tensor([len(lens) - 1]))
                     if i:
                         samples[mode].append(time.perf_counter() - t0)
                     for rid in batch_ids:
                         runtime.truncate(rid, context_len)
-            per_row, batched = (statistics.median(samples[m]) * 1e3 for m in ("per-row", "batched"))
-            rows.append([kind, size, per_row, batched, per_row / batched, sum(lens) / batched * 1e3])
+            a, b = (statistics.median(samples[m]) * 1e3 for m in (name_a, name_b))
+            rows.append([kind, size, a, b, a / b, sum(lens) / b * 1e3])
     finally:
         model.set_attention("batched")
+        model.set_fused(True)
         for rid in ids:
             runtime.free_request(rid)
     print(f"context {context_len} tokens, {torch.get_num_threads()} threads, medians of {repeats}")
-    print_table(["shape", "B or C", "per-row ms", "batched ms", "speed-up", "batched tokens/s"], rows)
+    print_table(["shape", "B or C", f"{name_a} ms", f"{name_b} ms", "speed-up", f"{name_b} tokens/s"], rows)
 
 
 def main() -> None:
@@ -90,14 +100,17 @@ def main() -> None:
     ap.add_argument("--plot", default=None, help="write a PNG of step time vs B with the roofline")
     ap.add_argument("--compare-attention", action="store_true",
                     help="batched attention kernel vs per-row SDPA: one request verifying B tokens, C requests decoding")
+    ap.add_argument("--compare-fused", action="store_true",
+                    help="fused layer kernels vs the torch ops between the GEMMs, same shapes as --compare-attention")
     ap.add_argument("--context", type=int, default=200, help="cached tokens per request (--compare-attention)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 32, 64], help="B values (--compare-attention)")
     ap.add_argument("--decodes", type=int, nargs="+", default=[8, 32, 64], help="C values (--compare-attention)")
     args = ap.parse_args()
 
     runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype))
-    if args.compare_attention:
-        compare_attention(runtime, context_len=args.context, repeats=args.repeats, blocks=args.blocks, decodes=args.decodes)
+    if args.compare_attention or args.compare_fused:
+        compare_attention(runtime, context_len=args.context, repeats=args.repeats, blocks=args.blocks, decodes=args.decodes,
+                          modes=FUSED_MODES if args.compare_fused else ATTENTION_MODES)
         return
     model = runtime.model
     layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))

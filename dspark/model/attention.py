@@ -385,8 +385,8 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
-def _build(path: Path) -> None:
-    """Compile the kernel to `path`: into a temporary file beside it, then an atomic rename, so
+def _build(path: Path, source: str, stem: str) -> None:
+    """Compile `source` to `path`: into a temporary file beside it, then an atomic rename, so
     that concurrent builders (test workers, service processes) each publish a whole file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     compiler = os.environ.get("CXX", "c++")
@@ -394,8 +394,8 @@ def _build(path: Path) -> None:
     os.close(fd)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            src = Path(tmp) / "attention.cpp"
-            src.write_text(_SOURCE)
+            src = Path(tmp) / f"{stem}.cpp"
+            src.write_text(source)
             subprocess.run([compiler, *_FLAGS, str(src), "-o", tmp_lib], check=True, capture_output=True, text=True)
         os.replace(tmp_lib, path)
     finally:
@@ -403,26 +403,32 @@ def _build(path: Path) -> None:
             os.unlink(tmp_lib)
 
 
-def load_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel, building it on first use (about a second); None where that fails."""
-    global _kernel, _kernel_error
-    if _kernel is not None or _kernel_error is not None:
-        return _kernel
-    digest = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
-    name = f"dspark_attention_{digest}.so"
+def build_library(source: str, stem: str) -> tuple[ctypes.CDLL | None, str | None]:
+    """The C++ `source` compiled (about a second, once: cached by source, flags and CPU) and
+    loaded, or None and why not. Shared with dspark/model/fused_ops.py."""
+    digest = hashlib.sha256("\0".join([source, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    name = f"dspark_{stem}_{digest}.so"
     errors = []
     # the user's cache first, then the temporary directory (a read-only home in a container)
     for directory in (_cache_dir(), Path(tempfile.gettempdir()) / "dspark-kernels"):
         path = directory / name
         try:
             if not path.exists():
-                _build(path)
-            lib = ctypes.CDLL(str(path))
-            break
+                _build(path, source, stem)
+            return ctypes.CDLL(str(path)), None
         except (OSError, subprocess.CalledProcessError) as e:
             errors.append((getattr(e, "stderr", "") or str(e)).strip()[:500])
-    else:
-        _kernel_error = f"batched attention kernel unavailable ({'; '.join(errors)}); using per-row SDPA"
+    return None, "; ".join(errors)
+
+
+def load_kernel() -> ctypes.CDLL | None:
+    """The compiled kernel, building it on first use (about a second); None where that fails."""
+    global _kernel, _kernel_error
+    if _kernel is not None or _kernel_error is not None:
+        return _kernel
+    lib, error = build_library(_SOURCE, "attention")
+    if lib is None:
+        _kernel_error = f"batched attention kernel unavailable ({error}); using per-row SDPA"
         warnings.warn(_kernel_error, RuntimeWarning, stacklevel=2)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.model import attention
+from dspark.model import attention, fused_ops
 from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import RequestKV
 
@@ -283,6 +283,7 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.set_attention(os.environ.get("DSPARK_ATTENTION", "batched"))
+        self.set_fused(os.environ.get("DSPARK_FUSED", "1") != "0")
 
     def set_attention(self, mode: str) -> str:
         """How continuing rows attend: "batched" (one kernel call per layer for all of them,
@@ -298,6 +299,23 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention = mode
         return mode
+
+    def fused_supported(self) -> bool:
+        """Whether the fused layer kernels (dspark/model/fused_ops.py) serve this model: bf16
+        linear layers without biases or q/k norms, hidden size <= MAX_REDUCTION (the qkv and
+        gate/up GEMMs in one K-chunk, so their outputs are bf16); the eager path handles the rest."""
+        c = self.config
+        return (self.compute_dtype == torch.bfloat16 and not c.attention_bias and not c.qk_norm
+                and c.hidden_size <= MAX_REDUCTION and c.head_dim % 2 == 0 and fused_ops.available())
+
+    def set_fused(self, on: bool) -> bool:
+        """Run the per-token ops between the GEMMs as three fused C++ kernels per step
+        (add + RMSNorm, RoPE + q/k/v split, SiLU * up) instead of ~150 torch ops per layer.
+        Both paths are batch-invariant but round differently (RMSNorm's reduction order, one
+        bf16 rounding of silu * up instead of two): switch only between generations. Falls back
+        to the torch ops where unsupported; returns whether the fused path is in use."""
+        self.fused = bool(on) and self.fused_supported()
+        return self.fused
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] fp32
@@ -324,6 +342,8 @@ class Transformer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Returns the final normed hidden states [num_tokens, hidden] (the LM head's input) and,
         if `capture_layers` is set, the outputs of those decoder layers [num_tokens, len(capture_layers), hidden]."""
+        if self.fused:
+            return self._forward_fused(token_ids, positions, meta, capture_layers)
         x = self.embed(token_ids)  # [num_tokens, hidden]
         freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [num_tokens, 1, head_dim]
@@ -338,6 +358,48 @@ class Transformer(nn.Module):
             order = sorted(capture_layers)
             stacked = torch.stack([captured[order.index(l)] for l in capture_layers], dim=1)
             return hidden, stacked
+        return hidden, None
+
+    def _forward_fused(self, token_ids, positions, meta, capture_layers):
+        # The same computation as forward() with the ops between GEMMs fused (fused_ops.py).
+        # The residual x is updated in place; h, q, k, v and act are reused by every layer
+        # (each is consumed before the next layer overwrites it).
+        c = self.config
+        n = token_ids.shape[0]
+        x = self.embed(token_ids)  # [num_tokens, hidden] fp32, a fresh tensor
+        freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, head_dim // 2]
+        cos, sin = freqs.cos(), freqs.sin()  # once per forward, shared by all layers
+        h = torch.empty(n, c.hidden_size, dtype=torch.bfloat16)  # [num_tokens, hidden] normed GEMM input
+        q = torch.empty(n, c.num_heads, c.head_dim)  # [num_tokens, heads, head_dim] fp32
+        k = torch.empty(n, c.num_kv_heads, c.head_dim)  # [num_tokens, kv_heads, head_dim] fp32
+        v = torch.empty(n, c.num_kv_heads, c.head_dim)
+        act = torch.empty(n * c.intermediate_size, dtype=torch.bfloat16)  # silu(gate) * up, chunk-major
+        eps = c.rms_norm_eps
+        layers = self.layers
+        fused_ops.add_rms_norm(x, [], layers[0].input_norm, eps, h)
+        captured = {}
+        for i, layer in enumerate(layers):
+            qkv = layer.qkv_proj._matmul(h, 0)  # [num_tokens, q_size + 2 kv_size] bf16 (K = hidden: one chunk)
+            fused_ops.rope_split(qkv, cos, sin, q, k, v)
+            attn = layer._attend(q, k, v, i, meta)  # [num_tokens, q_size] fp32
+            o_proj = layer.o_proj
+            attn = attn.to(torch.bfloat16)
+            o = [o_proj._matmul(attn[:, lo:hi].contiguous() if len(o_proj.weight_chunks) > 1 else attn, j)
+                 for j, (lo, hi) in enumerate(zip(o_proj.bounds, o_proj.bounds[1:]))]  # K-chunk partials, bf16
+            fused_ops.add_rms_norm(x, o, layer.post_attn_norm, eps, h)  # x += o; h = norm(x)
+            gate_up = layer.gate_up_proj._matmul(h, 0)  # [num_tokens, 2 intermediate] bf16
+            down = layer.down_proj
+            fused_ops.silu_mul(gate_up, down.bounds, act)
+            parts = [down._matmul(act[n * lo : n * hi].view(n, hi - lo), j)  # [num_tokens, hidden] bf16 each
+                     for j, (lo, hi) in enumerate(zip(down.bounds, down.bounds[1:]))]
+            last = i + 1 == len(layers)
+            out = torch.empty(n, c.hidden_size) if last else h  # the final norm's output stays fp32
+            fused_ops.add_rms_norm(x, parts, self.final_norm if last else layers[i + 1].input_norm, eps, out)
+            if i in capture_layers:
+                captured[i] = x.clone()  # x changes in place from here on
+        hidden = out  # [num_tokens, hidden] fp32
+        if capture_layers:
+            return hidden, torch.stack([captured[l] for l in capture_layers], dim=1)
         return hidden, None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

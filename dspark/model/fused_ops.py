@@ -1,0 +1,291 @@
+"""Fused per-token ops of a decoder layer: fewer, larger calls instead of ~150 small torch ops.
+
+At B = 1 a SmolLM2-135M forward issued ~4500 torch ops (rms_norm alone decomposes into ~10 on
+the CPU: pow, mean, add, rsqrt, mul, mul and dtype copies); at a few microseconds each that is
+most of the step, far above the time to stream the weights once. Everything between the GEMMs
+is elementwise or a per-row reduction over one token, so three small C++ kernels cover it:
+
+  add_rms_norm  x += a_0 + a_1 + ... (bf16 GEMM outputs, the K-chunk partials of a split
+                reduction summed in order), then out = rms_norm(x) * w in bf16 (the next GEMM's
+                input) or fp32 (the final norm). The residual x stays fp32, updated in place.
+  rope_split    the fused qkv GEMM output (bf16) -> q, k rotated (RoPE, rotate-half layout)
+                and v, all fp32, in the layouts the attention kernel reads.
+  silu_mul      gate/up GEMM output (bf16) -> bf16(silu(gate) * up), written chunk by chunk in
+                the K-chunks of the down projection (each a contiguous [num_tokens, chunk]).
+
+Batch invariance (greedy speculative == plain decoding): each token's row is computed by the
+same fixed sequence of 16-lane vector operations (the attention kernel's style: a row's tail is
+a zero-padded vector, never a scalar epilogue; sums of squares in 16 lanes + a fixed tree), so
+a row's bits depend only on that row, never on the number of rows or on threading (threads
+split whole rows). Built with -ffp-contract=off so no multiply-add is fused differently in one
+place than another.
+
+Numerics vs the eager torch path: RoPE and the residual adds are the same operations in the same
+order (bit-identical); the RMSNorm reduction order differs (fp32 rounding, ~1e-7 relative), and
+silu(gate) * up is rounded to bf16 once instead of twice (more accurate). Both paths are
+batch-invariant, but they round differently: a process uses one throughout (Transformer.set_fused).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+
+import torch
+
+from dspark.model.attention import build_library
+
+_SOURCE = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t W = 16;
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 splat(float x) { return v16{} + x; }
+
+// the first n (<= 16) floats at p, zeros in the remaining lanes
+inline v16 load(const float* p, int64_t n = W) {
+  v16 x = {0};
+  std::memcpy(&x, p, n * sizeof(float));
+  return x;
+}
+inline void store(float* p, v16 x, int64_t n = W) { std::memcpy(p, &x, n * sizeof(float)); }
+
+// bf16 -> fp32 is exact: the 16 bits are the top half of the float
+inline v16 load_bf16(const uint16_t* p, int64_t n = W) {
+  v16h h = {0};
+  std::memcpy(&h, p, n * sizeof(uint16_t));
+  v16u u = __builtin_convertvector(h, v16u) << 16;
+  v16 x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// fp32 -> bf16 round to nearest even, NaN -> quiet NaN: what c10::BFloat16 (torch's .to) does
+inline void store_bf16(uint16_t* p, v16 x, int64_t n = W) {
+  v16u u;
+  std::memcpy(&u, &x, sizeof u);
+  const v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const v16u nan = (v16u)(x != x);  // all ones in NaN lanes
+  const v16u out = (rounded & ~nan) | (0x7FC0u & nan);
+  v16h h = __builtin_convertvector(out, v16h);
+  std::memcpy(p, &h, n * sizeof(uint16_t));
+}
+
+// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
+inline float hsum(v16 x) {
+  v8 lo, hi;
+  std::memcpy(&lo, &x, 32);
+  std::memcpy(&hi, reinterpret_cast<char*>(&x) + 32, 32);
+  v8 a = lo + hi;
+  v4 alo, ahi;
+  std::memcpy(&alo, &a, 16);
+  std::memcpy(&ahi, reinterpret_cast<char*>(&a) + 16, 16);
+  v4 b = alo + ahi;
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp(x) for x <= 0: Cephes expf (the attention kernel's), x < -87 gives exactly 0
+inline v16 exp_nonpos(v16 x) {
+  const v16i tiny = x < -87.0f;
+  v16 xc = tiny ? splat(-87.0f) : x;
+  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
+  v16 res;
+  std::memcpy(&res, &out, sizeof res);
+  return res;
+}
+
+// below ~64K elements waking the second thread costs more than the work
+inline int threads_for(int64_t elements, int threads) { return elements < (1 << 16) ? 1 : threads; }
+
+}  // namespace
+
+extern "C" {
+
+// x: [n, d] fp32 residual rows (stride x_stride), updated in place: x += ((a_0 + a_1) + ...)
+// with the addends bf16 [n, d] (row stride a_strides[j]); then out = x * rsqrt(mean(x^2) + eps) * w,
+// bf16 or fp32 [n, d] contiguous.
+void dspark_add_rms_norm(float* x, int64_t x_stride, int64_t n, int64_t d,
+                         int64_t num_addends, const int64_t* addends, const int64_t* a_strides,
+                         const float* w, float eps, void* out, int out_bf16, int threads) {
+  const int64_t chunks = (d + W - 1) / W;
+#pragma omp parallel for num_threads(threads_for(n * d, threads)) schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    float* xr = x + t * x_stride;
+    v16 acc = {0};
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t m = c + 1 < chunks ? W : d - c * W;
+      v16 v = load(xr + c * W, m);
+      if (num_addends > 0) {
+        v16 s = load_bf16(reinterpret_cast<const uint16_t*>(addends[0]) + t * a_strides[0] + c * W, m);
+        for (int64_t j = 1; j < num_addends; ++j)
+          s = s + load_bf16(reinterpret_cast<const uint16_t*>(addends[j]) + t * a_strides[j] + c * W, m);
+        v = v + s;
+        store(xr + c * W, v, m);
+      }
+      acc = acc + v * v;
+    }
+    const float r = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(d) + eps);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t m = c + 1 < chunks ? W : d - c * W;
+      const v16 y = (load(xr + c * W, m) * r) * load(w + c * W, m);
+      if (out_bf16) store_bf16(static_cast<uint16_t*>(out) + t * d + c * W, y, m);
+      else store(static_cast<float*>(out) + t * d + c * W, y, m);
+    }
+  }
+}
+
+// qkv: [n, (heads + 2 kv_heads) * hd] bf16 (row stride qkv_stride), q heads then k then v;
+// cos, sin: [n, hd / 2] fp32. Writes q [n, heads, hd], k [n, kv_heads, hd] (both rotated,
+// rotate-half layout: out_j = x_j cos_j - x_{j+h} sin_j, out_{j+h} = x_{j+h} cos_j + x_j sin_j)
+// and v [n, kv_heads, hd], all fp32 contiguous.
+void dspark_rope_split(const uint16_t* qkv, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,
+                       int64_t hd, const float* cos, const float* sin, float* q, float* k, float* v, int threads) {
+  const int64_t half = hd / 2, chunks = (half + W - 1) / W;
+#pragma omp parallel for num_threads(threads_for(n * (heads + 2 * kv_heads) * hd, threads)) schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* row = qkv + t * qkv_stride;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {
+      const uint16_t* src = row + h * hd;
+      float* dst = h < heads ? q + (t * heads + h) * hd : k + (t * kv_heads + h - heads) * hd;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t m = c + 1 < chunks ? W : half - c * W;
+        const v16 x1 = load_bf16(src + c * W, m), x2 = load_bf16(src + half + c * W, m);
+        const v16 cs = load(cos + t * half + c * W, m), sn = load(sin + t * half + c * W, m);
+        store(dst + c * W, x1 * cs - x2 * sn, m);
+        store(dst + half + c * W, x2 * cs + x1 * sn, m);
+      }
+    }
+    const uint16_t* src = row + (heads + kv_heads) * hd;
+    float* dst = v + t * kv_heads * hd;
+    const int64_t vd = kv_heads * hd, vchunks = (vd + W - 1) / W;
+    for (int64_t c = 0; c < vchunks; ++c) {
+      const int64_t m = c + 1 < vchunks ? W : vd - c * W;
+      store(dst + c * W, load_bf16(src + c * W, m), m);
+    }
+  }
+}
+
+// gu: [n, 2 * inter] bf16 (row stride gu_stride), gate then up. out: bf16(silu(gate) * up) laid
+// out chunk-major for a split down projection: the columns [bounds[c], bounds[c+1]) of all n
+// rows form a contiguous [n, bounds[c+1] - bounds[c]] block starting at out + n * bounds[c].
+void dspark_silu_mul(const uint16_t* gu, int64_t gu_stride, int64_t n, int64_t inter,
+                     int64_t num_chunks, const int64_t* bounds, uint16_t* out, int threads) {
+#pragma omp parallel for num_threads(threads_for(n * inter, threads)) schedule(static)
+  for (int64_t t = 0; t < n; ++t) {
+    const uint16_t* g = gu + t * gu_stride;
+    const uint16_t* u = g + inter;
+    for (int64_t b = 0; b < num_chunks; ++b) {
+      const int64_t lo = bounds[b], len = bounds[b + 1] - lo, chunks = (len + W - 1) / W;
+      uint16_t* dst = out + n * lo + t * len;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t m = c + 1 < chunks ? W : len - c * W;
+        const v16 x = load_bf16(g + lo + c * W, m), up = load_bf16(u + lo + c * W, m);
+        // sigmoid without overflow: e = exp(-|x|) <= 1; 1 / (1 + e) for x >= 0, e / (1 + e) below
+        const v16 ax = x < 0.0f ? -x : x;
+        const v16 e = exp_nonpos(-ax);
+        const v16 sig = (x >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
+        store_bf16(dst + c * W, (x * sig) * up, m);
+      }
+    }
+  }
+}
+
+}  // extern "C"
+"""
+
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernels (built on first use, about a second), or None where that fails."""
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    # -ffp-contract=off is part of the source's contract (see the module docstring)
+    lib, error = build_library("#pragma GCC optimize(\"fp-contract=off\")\n" + _SOURCE, "fused_ops")
+    if lib is None:
+        _error = f"fused layer kernels unavailable ({error}); using the torch ops"
+        warnings.warn(_error, RuntimeWarning, stacklevel=2)
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.dspark_add_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i32, i32]
+    lib.dspark_rope_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.dspark_silu_mul.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
+    for f in (lib.dspark_add_rms_norm, lib.dspark_rope_split, lib.dspark_silu_mul):
+        f.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def add_rms_norm(
+    x: torch.Tensor,  # [n, d] fp32, last dim contiguous; updated in place when there are addends
+    addends: list[torch.Tensor],  # each [n, d] bf16, last dim contiguous (GEMM outputs, summed in order)
+    weight: torch.Tensor,  # [d] fp32
+    eps: float,
+    out: torch.Tensor,  # [n, d] bf16 or fp32, contiguous
+) -> torch.Tensor:
+    n, d = x.shape
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and out.is_contiguous() and out.shape == x.shape
+    assert all(a.dtype == torch.bfloat16 and a.shape == x.shape and a.stride(1) == 1 for a in addends)
+    ptrs = (ctypes.c_int64 * max(1, len(addends)))(*[a.data_ptr() for a in addends])
+    strides = (ctypes.c_int64 * max(1, len(addends)))(*[a.stride(0) for a in addends])
+    load().dspark_add_rms_norm(x.data_ptr(), x.stride(0), n, d, len(addends), ptrs, strides, weight.data_ptr(), eps,
+                             out.data_ptr(), int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def rope_split(
+    qkv: torch.Tensor,  # [n, (heads + 2 kv_heads) * head_dim] bf16, last dim contiguous
+    cos: torch.Tensor,  # [n, head_dim // 2] fp32 contiguous
+    sin: torch.Tensor,  # [n, head_dim // 2] fp32 contiguous
+    q: torch.Tensor,  # [n, heads, head_dim] fp32 contiguous (written)
+    k: torch.Tensor,  # [n, kv_heads, head_dim] fp32 contiguous (written)
+    v: torch.Tensor,  # [n, kv_heads, head_dim] fp32 contiguous (written)
+) -> None:
+    n, heads, hd = q.shape
+    kv_heads = k.shape[1]
+    assert qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * hd
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (n, hd // 2) and hd % 2 == 0
+    assert all(t.is_contiguous() and t.dtype == torch.float32 for t in (q, k, v))
+    load().dspark_rope_split(qkv.data_ptr(), qkv.stride(0), n, heads, kv_heads, hd, cos.data_ptr(), sin.data_ptr(),
+                           q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
+
+
+def silu_mul(
+    gate_up: torch.Tensor,  # [n, 2 * inter] bf16, last dim contiguous: gate then up
+    bounds: list[int],  # the down projection's K-chunk bounds, 0 .. inter
+    out: torch.Tensor,  # [n * inter] bf16: chunk c is a contiguous [n, bounds[c+1] - bounds[c]] at n * bounds[c]
+) -> None:
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.dtype == out.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and out.numel() == n * inter
+    assert bounds[0] == 0 and bounds[-1] == inter
+    load().dspark_silu_mul(gate_up.data_ptr(), gate_up.stride(0), n, inter, len(bounds) - 1,
+                         (ctypes.c_int64 * len(bounds))(*bounds), out.data_ptr(), torch.get_num_threads())
