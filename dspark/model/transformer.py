@@ -111,6 +111,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 MAX_REDUCTION = 1024  # longest K a bf16 GEMM here reduces in one piece, whatever the batch size
+PACK_HINT_BF16 = int(os.environ.get("DSPARK_PACK_HINT_BF16", "1"))  # oneDNN batch-size hint of bf16 weights (SplitKLinear.prepack)
 
 
 class SplitKLinear(nn.Module):
@@ -151,12 +152,20 @@ class SplitKLinear(nn.Module):
     def prepack(self) -> None:
         """Pre-reorder the weights into oneDNN's blocked layout once (what inductor does when
         freezing): bf16 GEMMs 25-40% faster here at B = 1..8 with bit-identical results, fp32
-        ones much faster than MKL from B = 2 up."""
+        ones much faster than MKL from B = 2 up.
+
+        The batch-size hint picks the layout, and the layout decides batch invariance. On an AMX
+        Xeon (torch 2.13), bf16 weights packed for batch 8 (or 64) give rows for M >= 33 that
+        differ from M <= 32 in the last bit (oneDNN switches kernels there); packed for batch 1
+        every M = 1..512 gives the M = 1 bits, at 1 and 2 threads, and M = 1..8 is as fast or
+        faster. fp32 weights are the other way round (hint 1 varies from M = 2, hint 8 does not).
+        tests/model/test_transformer.py checks both at the shapes of the models here."""
         self.packed = None
         if self.weight_chunks[0].device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
+        hint = PACK_HINT_BF16 if self.dtype == torch.bfloat16 else 8
         try:
-            self.packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), 8) for w in self.weight_chunks]
+            self.packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach(), hint) for w in self.weight_chunks]
         except (AttributeError, RuntimeError):  # a torch build without oneDNN: plain F.linear
             self.packed = None
 

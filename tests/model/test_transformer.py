@@ -154,3 +154,43 @@ def test_loading_a_checkpoint_without_a_tensor_names_the_missing_tensor(hf_state
     del sd["model.layers.2.mlp.up_proj.weight"]
     with pytest.raises(KeyError, match=r"model\.layers\.2\.mlp\.up_proj\.weight"):
         transformer_from(config, sd)
+
+
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 576), (3072, 576), (576, 1536), (64, 64)])
+def test_a_prepacked_bf16_linear_gives_every_row_the_bits_it_gets_alone_up_to_72_rows(out_features, in_features):
+    """SmolLM2-135M's GEMM shapes (and the tiny model's): oneDNN weights packed for batch 8
+    broke this from M = 33 on an AMX Xeon; packed for batch 1 they hold (SplitKLinear.prepack)."""
+    from dspark.model.transformer import SplitKLinear
+
+    g = torch.Generator().manual_seed(0)
+    linear = SplitKLinear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    linear.load(0.05 * torch.randn(out_features, in_features, generator=g))
+    linear.prepack()
+    x = torch.randn(72, in_features, generator=g)
+    alone = torch.cat([linear(x[i : i + 1]) for i in range(72)])
+    for m in (2, 8, 32, 33, 40, 64, 72):
+        assert torch.equal(linear(x[:m]), alone[:m]), f"M = {m}"
+
+
+def test_the_fused_layer_kernels_are_batch_invariant_and_close_to_the_torch_ops():
+    """A model with a split down projection (intermediate 1100: two K-chunks) and a verify
+    block longer than 32 rows: fused hidden states bit-identical stepping vs verifying, and
+    within bf16 rounding of the torch-ops path."""
+    from tests.conftest import make_tiny_runtime
+
+    runtime = make_tiny_runtime(intermediate_size=1100)
+    model = runtime.model
+    assert model.fused
+    g = torch.Generator().manual_seed(3)
+    prompt, block = torch.randint(0, 256, (9,), generator=g), torch.randint(0, 256, (40,), generator=g)
+    hidden = {}
+    for fused in (True, False):
+        model.set_fused(fused)
+        for rid in (f"step{fused}", f"verify{fused}"):
+            runtime.add_request(rid, 64)
+            runtime.forward([rid], prompt, [len(prompt)])
+        stepped = torch.cat([runtime.forward([f"step{fused}"], block[i : i + 1], [1]).hidden for i in range(len(block))])
+        verified = runtime.forward([f"verify{fused}"], block, [len(block)]).hidden
+        assert torch.equal(stepped, verified), f"fused={fused}"
+        hidden[fused] = verified
+    torch.testing.assert_close(hidden[True], hidden[False], atol=0.05, rtol=0.02)
