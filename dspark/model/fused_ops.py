@@ -52,18 +52,25 @@ typedef float v4 __attribute__((vector_size(16)));
 
 inline v16 splat(float x) { return v16{} + x; }
 
-// the first n (<= 16) floats at p, zeros in the remaining lanes
+// The first n (<= 16) floats at p, zeros in the remaining lanes. Whole vectors take a
+// fixed-size copy (one vector load; a runtime-sized memcpy is a library call), a row's tail
+// the sized one: the same vector either way, so the arithmetic that follows is the same.
 inline v16 load(const float* p, int64_t n = W) {
   v16 x = {0};
-  std::memcpy(&x, p, n * sizeof(float));
+  if (n == W) std::memcpy(&x, p, sizeof x);
+  else std::memcpy(&x, p, n * sizeof(float));
   return x;
 }
-inline void store(float* p, v16 x, int64_t n = W) { std::memcpy(p, &x, n * sizeof(float)); }
+inline void store(float* p, v16 x, int64_t n = W) {
+  if (n == W) std::memcpy(p, &x, sizeof x);
+  else std::memcpy(p, &x, n * sizeof(float));
+}
 
 // bf16 -> fp32 is exact: the 16 bits are the top half of the float
 inline v16 load_bf16(const uint16_t* p, int64_t n = W) {
   v16h h = {0};
-  std::memcpy(&h, p, n * sizeof(uint16_t));
+  if (n == W) std::memcpy(&h, p, sizeof h);
+  else std::memcpy(&h, p, n * sizeof(uint16_t));
   v16u u = __builtin_convertvector(h, v16u) << 16;
   v16 x;
   std::memcpy(&x, &u, sizeof x);
@@ -78,7 +85,8 @@ inline void store_bf16(uint16_t* p, v16 x, int64_t n = W) {
   const v16u nan = (v16u)(x != x);  // all ones in NaN lanes
   const v16u out = (rounded & ~nan) | (0x7FC0u & nan);
   v16h h = __builtin_convertvector(out, v16h);
-  std::memcpy(p, &h, n * sizeof(uint16_t));
+  if (n == W) std::memcpy(p, &h, sizeof h);
+  else std::memcpy(p, &h, n * sizeof(uint16_t));
 }
 
 // lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
