@@ -263,3 +263,24 @@ def test_auto_dtype_picks_bf16_only_where_the_hardware_multiplies_bf16_natively(
     assert tr.resolve_dtype("auto") == "bfloat16"
     with pytest.raises(ValueError, match="dtype must be one of"):
         tr.TargetConfig(dtype="int8")
+
+
+@pytest.mark.slow
+def test_default_model_verifying_a_block_of_40_tokens_gives_the_bits_of_decoding_them_one_by_one(real_runtime):
+    """Past 32 rows oneDNN switched bf16 kernels when weights were packed for batch 8 (rows
+    changed in the last bit): a long verify block, or many requests' blocks together, no
+    longer reproduced plain decoding. Also covers the fused layer kernels at real shapes."""
+    g = torch.Generator().manual_seed(1)
+    prompt, block = torch.randint(0, real_runtime.vocab_size, (50,), generator=g), torch.randint(0, real_runtime.vocab_size, (40,), generator=g)
+    ids = ["block-step", "block-verify"]
+    for rid in ids:
+        real_runtime.add_request(rid, 91)
+    try:
+        for rid in ids:
+            real_runtime.forward([rid], prompt, [50], logits_indices=torch.empty(0, dtype=torch.long))
+        stepped = torch.cat([real_runtime.forward(["block-step"], block[i : i + 1], [1]).hidden for i in range(40)])
+        verified = real_runtime.forward(["block-verify"], block, [40]).hidden
+    finally:
+        for rid in ids:
+            real_runtime.free_request(rid)
+    assert torch.equal(stepped, verified)
