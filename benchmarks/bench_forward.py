@@ -3,6 +3,7 @@
     python benchmarks/bench_forward.py --max-batch 256 [--plot forward.png]
     python benchmarks/bench_forward.py --compare-attention [--context 200 --repeats 7]
     python benchmarks/bench_forward.py --compare-fused [--context 200 --repeats 7]
+    python benchmarks/bench_forward.py --compare-old-gemm [--context 200 --repeats 7]
 
 Roofline (ARCHITECTURE.md): a step must at least stream the weights once (bf16 linear layers +
 the fp32 LM head) at the measured memory bandwidth, and do 2·params FLOPs per token at the bf16
@@ -45,6 +46,33 @@ def measure_bf16_gflops() -> float:
 ATTENTION_MODES = {"per-row": lambda m: m.set_attention("per-row"), "batched": lambda m: m.set_attention("batched")}
 FUSED_MODES = {"torch ops": lambda m: (m.set_attention("batched"), m.set_fused(False)),
                "fused": lambda m: (m.set_attention("batched"), m.set_fused(True))}
+
+
+def old_gemm_modes(model) -> dict:
+    """The step before the fused kernels and the batch-1 packing (bf16 weights packed for
+    batch 8, which is not batch-invariant past 32 rows on an AMX Xeon, and the torch ops between
+    the GEMMs) vs now: both weight packings are kept in memory and swapped per sample."""
+    from dspark.model import transformer
+
+    linears = [m for m in model.modules() if isinstance(m, transformer.SplitKLinear)]
+    linears += [model.__dict__["lm_head_packed"]]
+    packs = {}
+    for hint in (8, transformer.PACK_HINT_BF16):
+        saved, transformer.PACK_HINT_BF16 = transformer.PACK_HINT_BF16, hint
+        for m in linears:
+            m.prepack()
+        packs[hint] = [m.packed for m in linears]
+        transformer.PACK_HINT_BF16 = saved
+
+    def use(hint: int, fused: bool):
+        def apply(m):
+            for linear, packed in zip(linears, packs[hint]):
+                linear.packed = packed
+            m.set_attention("batched")
+            m.set_fused(fused)
+        return apply
+
+    return {"old (pack 8, torch ops)": use(8, False), "new": use(transformer.PACK_HINT_BF16, True)}
 
 
 def compare_attention(runtime: TargetRuntime, *, context_len: int, repeats: int, blocks: list[int], decodes: list[int],
@@ -102,15 +130,19 @@ def main() -> None:
                     help="batched attention kernel vs per-row SDPA: one request verifying B tokens, C requests decoding")
     ap.add_argument("--compare-fused", action="store_true",
                     help="fused layer kernels vs the torch ops between the GEMMs, same shapes as --compare-attention")
+    ap.add_argument("--compare-old-gemm", action="store_true",
+                    help="bf16 weights packed for batch 8 + torch ops (the old step) vs now, same shapes as --compare-attention")
     ap.add_argument("--context", type=int, default=200, help="cached tokens per request (--compare-attention)")
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 32, 64], help="B values (--compare-attention)")
     ap.add_argument("--decodes", type=int, nargs="+", default=[8, 32, 64], help="C values (--compare-attention)")
     args = ap.parse_args()
 
     runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype))
-    if args.compare_attention or args.compare_fused:
+    if args.compare_attention or args.compare_fused or args.compare_old_gemm:
+        modes = (FUSED_MODES if args.compare_fused else old_gemm_modes(runtime.model) if args.compare_old_gemm
+                 else ATTENTION_MODES)
         compare_attention(runtime, context_len=args.context, repeats=args.repeats, blocks=args.blocks, decodes=args.decodes,
-                          modes=FUSED_MODES if args.compare_fused else ATTENTION_MODES)
+                          modes=modes)
         return
     model = runtime.model
     layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))
