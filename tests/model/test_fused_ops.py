@@ -1,0 +1,75 @@
+"""The fused layer kernels (dspark/model/fused_ops.py) against torch, and their batch invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dspark.model import fused_ops
+from dspark.model.transformer import apply_rope
+
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="no C++ compiler for the fused kernels")
+
+
+def test_add_rms_norm_adds_exactly_as_torch_and_normalises_to_fp32_rounding():
+    g = torch.Generator().manual_seed(0)
+    n, d = 37, 100  # d not a multiple of 16: a zero-padded tail vector
+    x, w = torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    a0, a1 = (torch.randn(n, d, generator=g).bfloat16() for _ in range(2))
+    expected_x = x + (a0.float() + a1.float())  # SplitKLinear's fp32 partial sum, then the residual add
+    out = torch.empty(n, d)
+    fused_ops.add_rms_norm(x, [a0, a1], w, 1e-5, out)
+    assert torch.equal(x, expected_x)
+    torch.testing.assert_close(out, F.rms_norm(expected_x, (d,), w, 1e-5), rtol=1e-6, atol=1e-6)
+    out_bf16 = torch.empty(n, d, dtype=torch.bfloat16)
+    fused_ops.add_rms_norm(expected_x.clone(), [], w, 1e-5, out_bf16)
+    assert torch.equal(out_bf16, out.bfloat16())  # the same round-to-nearest-even as torch
+
+
+def test_rope_split_is_bit_identical_to_the_torch_rope():
+    g = torch.Generator().manual_seed(1)
+    n, heads, kv_heads, hd = 13, 5, 2, 40
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * hd, generator=g).bfloat16()
+    freqs = torch.arange(n).float().unsqueeze(1) / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+    expected = apply_rope(qkv[:, : (heads + kv_heads) * hd].view(n, heads + kv_heads, hd), emb.cos(), emb.sin())
+    q, k, v = torch.empty(n, heads, hd), torch.empty(n, kv_heads, hd), torch.empty(n, kv_heads, hd)
+    fused_ops.rope_split(qkv, freqs.cos(), freqs.sin(), q, k, v)
+    assert torch.equal(q, expected[:, :heads]) and torch.equal(k, expected[:, heads:])
+    assert torch.equal(v, qkv[:, (heads + kv_heads) * hd :].view(n, kv_heads, hd).float())
+
+
+def test_silu_mul_rounds_once_to_bf16_and_lays_out_the_down_projection_chunks():
+    g = torch.Generator().manual_seed(2)
+    n, inter, bounds = 9, 77, [0, 30, 77]
+    gate_up = (3 * torch.randn(n, 2 * inter, generator=g)).bfloat16()
+    out = torch.empty(n * inter, dtype=torch.bfloat16)
+    fused_ops.silu_mul(gate_up, bounds, out)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    got = torch.cat([out[n * lo : n * hi].view(n, hi - lo) for lo, hi in zip(bounds, bounds[1:])], dim=1)
+    torch.testing.assert_close(got.float(), (F.silu(gate) * up).bfloat16().float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(threads):
+    """1200 rows cross the size above which the kernels use several threads."""
+    g = torch.Generator().manual_seed(3)
+    n, d, inter = 1200, 64, 96
+    x, w = torch.randn(n, d, generator=g), torch.randn(d, generator=g)
+    a = torch.randn(n, d, generator=g).bfloat16()
+    gate_up = torch.randn(n, 2 * inter, generator=g).bfloat16()
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        xb, hb, act = x.clone(), torch.empty(n, d, dtype=torch.bfloat16), torch.empty(n * inter, dtype=torch.bfloat16)
+        fused_ops.add_rms_norm(xb, [a], w, 1e-5, hb)
+        fused_ops.silu_mul(gate_up, [0, inter], act)
+        for i in (0, 1, 599, n - 1):
+            xi, hi, ai = x[i : i + 1].clone(), torch.empty(1, d, dtype=torch.bfloat16), torch.empty(inter, dtype=torch.bfloat16)
+            fused_ops.add_rms_norm(xi, [a[i : i + 1]], w, 1e-5, hi)
+            fused_ops.silu_mul(gate_up[i : i + 1], [0, inter], ai)
+            assert torch.equal(xi[0], xb[i]) and torch.equal(hi[0], hb[i])
+            assert torch.equal(ai, act.view(n, inter)[i])
+    finally:
+        torch.set_num_threads(saved)
