@@ -35,10 +35,11 @@ from dspark.scheduling.policies import parse_policy
 CSV_COLUMNS = ("decoder", "tokens_per_s", "x_ours_none", "accepted_length", "benchmarks", "prompts", "max_tokens", "repeats")
 
 
-def dspark_engine(runtime: TargetRuntime, path: str, *, gamma: int, policy: str) -> SpeculativeEngine:
-    """Our engine with the DSpark drafter at `gamma`; `policy` "all" verifies every draft."""
+def dspark_engine(runtime: TargetRuntime, path: str, *, gamma: int, policy: str, drafter: str = "dspark") -> SpeculativeEngine:
+    """Our engine with a DSpark checkpoint at `gamma` (`drafter` "dspark", or "dspark-lookup": with
+    lookup proposals); `policy` "all" verifies every draft."""
     policy_obj = None if policy == "all" else parse_policy(policy)
-    engine = SpeculativeEngine(runtime, make_drafter("dspark", runtime=runtime, path=path), num_speculative_tokens=gamma,
+    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=path), num_speculative_tokens=gamma,
                                policy=policy_obj)
     if policy_obj is not None and policy_obj.needs_sps_profile:  # as `dspark generate` and `dspark serve` do
         engine.sps_profile = profile_sps(runtime, max_batch=2 * (gamma + 1), tokens_per_request=gamma + 1)
@@ -62,6 +63,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gamma", type=int, default=7, help="draft tokens per round: DSpark's block and prompt lookup's")
     ap.add_argument("--drafter-path", default=None, help="DSpark checkpoint directory (default: the shipped one, if any)")
+    ap.add_argument("--drafters", default="dspark,dspark-lookup",
+                    help="our speculative rows on the DSpark checkpoint: dspark, dspark-lookup (comma-separated)")
     ap.add_argument("--policy", default="dspark", help="DSpark row: none | fixed:K | threshold:C | dspark | dspark-async | all")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
     ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes, comma-separated (float32 is its default)")
@@ -70,6 +73,10 @@ def main() -> int:
     args = ap.parse_args()
 
     benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    if not set(drafters) <= {"dspark", "dspark-lookup"}:
+        print(f"error: --drafters takes dspark and/or dspark-lookup, got {args.drafters!r}", file=sys.stderr)
+        return 2
     drafter_path = args.drafter_path or shipped_checkpoint("dspark")
     try:
         if args.policy != "all":
@@ -87,8 +94,9 @@ def main() -> int:
                   for b in benchmarks for p in load_prompts(b, args.prompts)]
     engines = {"ours none": SpeculativeEngine(runtime, None)}
     if drafter_path:
-        engines[f"ours dspark γ={args.gamma} {args.policy}"] = dspark_engine(runtime, str(drafter_path), gamma=args.gamma,
-                                                                            policy=args.policy)
+        for name in drafters:
+            engines[f"ours {name} γ={args.gamma} {args.policy}"] = dspark_engine(runtime, str(drafter_path), gamma=args.gamma,
+                                                                                policy=args.policy, drafter=name)
     else:
         print("note: no DSpark checkpoint (--drafter-path, none shipped): the dspark row is left out", file=sys.stderr)
     hf = {}

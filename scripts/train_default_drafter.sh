@@ -19,7 +19,7 @@ STEPS=${STEPS:-1000}  # before the recipe, which would set its own default
 source scripts/drafter_recipe.sh
 RUN=${1:-runs/default-drafter}
 GREEDY_DATA=${GREEDY_DATA:-../shared/data/regenerated}
-SEQUENCES=${SEQUENCES:-2158}
+SEQUENCES=${SEQUENCES:-5596}
 HELDOUT=${HELDOUT:-518}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 BATCH_SEQS=${BATCH_SEQS:-4}

@@ -10,7 +10,8 @@ from:
 - or the model drafter's block (DSpark: its own sampled tokens, exact rows and STS confidences).
 
 It takes the lookup when a match of at least `min_n` tokens exists and its expected accepted
-length Σ_k Π_{j<=k} c_j is at least the model drafter's recent expected accepted length (the
+length Σ_k Π_{j<=k} c_j (c_j estimated per match length and per how the request's previous
+lookup fared: missed, partly or all right, a repetition loop being the last) is at least the model drafter's recent expected accepted length (the
 running mean of the same sum over the model's own calibrated confidences). Then the model drafter
 is not run for that request at all: the round costs a suffix search instead of a backbone forward.
 On a round whose model drafting the engine's draft gate skips (DraftRequest.free_only), a match
@@ -54,33 +55,47 @@ def longest_match(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> tupl
     return 0, []
 
 
+# How the request's previous lookup fared (a lookup that was right all along is usually a
+# repetition loop, and the next one is right again): the history bucket of the estimates.
+NO_HISTORY, MISSED, PARTLY, ALL_RIGHT = 0, 1, 2, 3
+NUM_HISTORIES = 4
+
+
+def history_bucket(matched: int, proposed: int) -> int:
+    """The bucket after a lookup of `proposed` tokens whose first `matched` were right."""
+    return MISSED if matched == 0 else ALL_RIGHT if matched == proposed else PARTLY
+
+
 @dataclass
 class LookupAcceptance:
-    """Per (match length n, draft position k): hits / tries of the conditional acceptance, with a
-    Beta(prior_hits, prior_misses) prior so that an unseen cell has a cautious estimate."""
+    """Per (match length n, history bucket h, draft position k): hits / tries of the conditional
+    acceptance, with a Beta(prior_hits, prior_misses) prior so that an unseen cell has a cautious
+    estimate."""
 
     max_n: int
     block_size: int
     prior_hits: float = 1.0
     prior_misses: float = 2.0
-    hits: np.ndarray = field(init=False)  # [max_n + 1, block_size]
-    tries: np.ndarray = field(init=False)  # [max_n + 1, block_size]
+    hits: np.ndarray = field(init=False)  # [max_n + 1, NUM_HISTORIES, block_size]
+    tries: np.ndarray = field(init=False)  # [max_n + 1, NUM_HISTORIES, block_size]
 
     def __post_init__(self) -> None:
-        self.hits = np.zeros((self.max_n + 1, self.block_size))
-        self.tries = np.zeros((self.max_n + 1, self.block_size))
+        self.hits = np.zeros((self.max_n + 1, NUM_HISTORIES, self.block_size))
+        self.tries = np.zeros((self.max_n + 1, NUM_HISTORIES, self.block_size))
 
-    def confidences(self, n: int, length: int) -> np.ndarray:  # [length] c_1..c_length
-        h, t = self.hits[n, :length], self.tries[n, :length]
+    def confidences(self, n: int, history: int, length: int) -> np.ndarray:  # [length] c_1..c_length
+        h, t = self.hits[n, history, :length], self.tries[n, history, :length]
         return (h + self.prior_hits) / (t + self.prior_hits + self.prior_misses)
 
-    def record(self, n: int, proposed: list[int], emitted: list[int]) -> None:
-        """`proposed` drafts of a lookup with match length n against the tokens that followed."""
+    def record(self, n: int, history: int, proposed: list[int], emitted: list[int]) -> int:
+        """Score `proposed` drafts of a lookup (match length n, history bucket) against the tokens
+        that followed; returns how many leading drafts were right."""
         for k, (x, y) in enumerate(zip(proposed, emitted)):
-            self.tries[n, k] += 1
+            self.tries[n, history, k] += 1
             if x != y:
-                return
-            self.hits[n, k] += 1
+                return k
+            self.hits[n, history, k] += 1
+        return min(len(proposed), len(emitted))
 
 
 def expected_accepted(confidences: np.ndarray) -> float:
@@ -92,6 +107,7 @@ def expected_accepted(confidences: np.ndarray) -> float:
 class _Pending:
     context_len: int  # len(token_ids) when proposed: the drafts sit at positions context_len...
     n: int
+    history: int
     tokens: list[int]
 
 
@@ -115,6 +131,7 @@ class LookupDrafter:
         self.acceptance = LookupAcceptance(max_n=max_n, block_size=model_drafter.block_size)
         self.model_expected: float = 0.0  # running Σ Π c_k of the model's proposals (0 until one is seen)
         self._pending: dict[str, _Pending] = {}
+        self._history: dict[str, int] = {}  # request -> bucket of its last scored lookup
         # what the last rounds chose (benchmarks and tests read these)
         self.lookup_proposals = 0
         self.model_proposals = 0
@@ -129,6 +146,7 @@ class LookupDrafter:
 
     def remove_request(self, request_id: str) -> None:
         self._pending.pop(request_id, None)
+        self._history.pop(request_id, None)
         self.model.remove_request(request_id)
 
     # ---- one round ---------------------------------------------------------------------------
@@ -143,12 +161,13 @@ class LookupDrafter:
             tokens = np.asarray(req.token_ids, dtype=np.int64)  # [seq_len]
             n, cont = longest_match(tokens, min_n=self.min_n, max_n=self.max_n, k=req.max_draft_tokens)
             if n:
-                conf = self.acceptance.confidences(n, len(cont))  # [len(cont)]
+                history = self._history.get(req.request_id, NO_HISTORY)
+                conf = self.acceptance.confidences(n, history, len(cont))  # [len(cont)]
                 if req.free_only or expected_accepted(conf) >= self.model_expected:
                     proposal = DraftProposal.point_mass(cont)
                     proposal.confidences = torch.from_numpy(conf).float()
                     out[i] = proposal
-                    self._pending[req.request_id] = _Pending(len(req.token_ids), n, cont)
+                    self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
                     self.lookup_proposals += 1
                     continue
             if not req.free_only:
@@ -168,7 +187,9 @@ class LookupDrafter:
         # the tokens emitted since this request's last lookup proposal score it (module docstring)
         pending = self._pending.pop(req.request_id, None)
         if pending is not None:
-            self.acceptance.record(pending.n, pending.tokens, req.token_ids[pending.context_len:])
+            emitted = req.token_ids[pending.context_len:]
+            matched = self.acceptance.record(pending.n, pending.history, pending.tokens, emitted)
+            self._history[req.request_id] = history_bucket(matched, min(len(pending.tokens), len(emitted)))
 
 
 __all__ = ["LookupAcceptance", "LookupDrafter", "expected_accepted", "longest_match"]

@@ -15,7 +15,17 @@ import torch
 
 from dspark.drafters import make_drafter
 from dspark.drafters.base import DraftRequest
-from dspark.drafters.lookup import LookupAcceptance, LookupDrafter, expected_accepted, longest_match
+from dspark.drafters.lookup import (
+    ALL_RIGHT,
+    MISSED,
+    NO_HISTORY,
+    PARTLY,
+    LookupAcceptance,
+    LookupDrafter,
+    expected_accepted,
+    history_bucket,
+    longest_match,
+)
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.profiling.sps import SPSProfile
 from dspark.scheduling.policies import parse_policy
@@ -33,16 +43,35 @@ def test_the_longest_repeated_suffix_gives_the_continuation():
 
 def test_acceptance_is_counted_up_to_the_first_mismatch():
     acc = LookupAcceptance(max_n=4, block_size=4, prior_hits=0.0, prior_misses=0.0)
-    acc.record(2, [5, 6, 7, 8], [5, 6, 9, 8, 1])  # accepted 5 6, rejected at 7: 8 was never tried
-    acc.record(2, [5, 6], [5])  # the next round emitted only one token so far: censored after it
-    assert acc.tries[2].tolist() == [2, 1, 1, 0] and acc.hits[2].tolist() == [2, 1, 0, 0]
-    np.testing.assert_allclose(acc.confidences(2, 3), [1.0, 1.0, 0.0])
+    # accepted 5 6, rejected at 7: 8 was never tried
+    assert acc.record(2, NO_HISTORY, [5, 6, 7, 8], [5, 6, 9, 8, 1]) == 2
+    assert acc.record(2, NO_HISTORY, [5, 6], [5]) == 1  # the next round emitted one token so far: censored after it
+    assert acc.tries[2, NO_HISTORY].tolist() == [2, 1, 1, 0] and acc.hits[2, NO_HISTORY].tolist() == [2, 1, 0, 0]
+    np.testing.assert_allclose(acc.confidences(2, NO_HISTORY, 3), [1.0, 1.0, 0.0])
+    assert acc.tries[2, ALL_RIGHT].sum() == 0  # another history bucket is another estimate
     assert expected_accepted(np.array([1.0, 0.5, 0.0])) == 1.5
 
 
-def test_an_unseen_match_length_starts_from_the_prior():
+def test_the_history_bucket_says_how_the_last_lookup_fared():
+    assert [history_bucket(m, 4) for m in (0, 2, 4)] == [MISSED, PARTLY, ALL_RIGHT]
+
+
+def test_an_unseen_cell_starts_from_the_prior():
     acc = LookupAcceptance(max_n=4, block_size=3)
-    np.testing.assert_allclose(acc.confidences(3, 3), [1 / 3] * 3)
+    np.testing.assert_allclose(acc.confidences(3, ALL_RIGHT, 3), [1 / 3] * 3)
+
+
+def test_a_request_whose_lookup_was_all_right_is_scored_in_that_bucket_next(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime))
+    toks = [3, 4, 5, 6, 7, 3, 4]
+    drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
+    (p,) = drafter.propose([_request("a", toks)])  # proposes 5 6 7 3
+    toks = toks + p.token_ids.tolist() + [4]  # all four accepted, bonus 4
+    drafter.observe("a", torch.zeros(5, 2, runtime.config.hidden_size))
+    drafter.propose([_request("a", toks)])
+    assert drafter.acceptance.hits[2, NO_HISTORY].tolist() == [1, 1, 1, 1]  # the first lookup matched (3, 4)
+    assert drafter._pending["a"].history == ALL_RIGHT
 
 
 def _request(rid, tokens, k=4):
