@@ -73,11 +73,11 @@ def test_the_cli_defaults_follow_the_configuration_when_its_defaults_change(monk
 @pytest.mark.slow
 def test_the_default_serving_configuration_starts_and_answers_greedy_like_plain_decoding(real_model_dir):
     defaults = ServingConfig()
-    assert defaults.drafter.name == "dspark" and defaults.scheduler.policy == "dspark"
+    assert defaults.drafter.name == "dspark-lookup" and defaults.scheduler.policy == "dspark"
     from dspark.drafters import drafter_capture_layers
 
-    target = TargetConfig(model=str(real_model_dir), capture_layers=drafter_capture_layers("dspark", None))
-    engine, tokenizer = build_engine(target, drafter="dspark", policy="dspark", sps_max_batch=8)
+    target = TargetConfig(model=str(real_model_dir), capture_layers=drafter_capture_layers(defaults.drafter.name, None))
+    engine, tokenizer = build_engine(target, drafter=defaults.drafter.name, policy="dspark", sps_max_batch=8)
     try:
         assert engine.engine.sps_profile is not None and engine.engine.policy is not None
         prompt = tokenizer.encode_chat([{"role": "user", "content": "Count from 1 to 10."}])

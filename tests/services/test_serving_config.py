@@ -17,7 +17,7 @@ from dspark.serving_config import ServingConfig
 
 def test_the_defaults_are_a_complete_local_deployment():
     c = ServingConfig.load(env={})
-    assert c.model.name == "smollm2-135m-instruct" and c.drafter.name == "dspark" and c.scheduler.gamma == 7
+    assert c.model.name == "smollm2-135m-instruct" and c.drafter.name == "dspark-lookup" and c.scheduler.gamma == 7
     ports = {c.scheduler.port, c.drafter.port, c.verifier.port, c.gateway.port}
     assert len(ports) == 4  # every service its own port
     assert c.verifier.dial == c.verifier.bind == f"127.0.0.1:{c.verifier.port}"
