@@ -50,36 +50,44 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_SOURCE = r"""
+# The vector helpers both CPU kernels use (this one and fused_ops.py): 16-lane types, loads and
+# stores, the fixed-tree lane sum and the fixed exp polynomial, one copy so they cannot drift.
+VECTOR_PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
-#include <limits>
-#include <vector>
 
 namespace {
 
 // Explicit 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has
 // them, pairs or quads of narrower ones elsewhere, the same arithmetic either way). Every
-// floating-point operation of the kernel is a vector operation on whole lanes; there is no
+// floating-point operation of a kernel is a vector operation on whole lanes; there is no
 // scalar twin of any loop whose rounding could differ (contracted or not) from the vector one.
 constexpr int64_t W = 16;
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-// the first n (<= 16) floats at p, zeros in the remaining lanes
-inline v16 load(const float* p, int64_t n = W) {
-  v16 x = {0};
-  std::memcpy(&x, p, n * sizeof(float));
-  return x;
-}
-
-inline void store(float* p, v16 x, int64_t n = W) { std::memcpy(p, &x, n * sizeof(float)); }
-
 inline v16 splat(float x) { return v16{} + x; }
 
-// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+// The first n (<= 16) floats at p, zeros in the remaining lanes. Whole vectors take a
+// fixed-size copy (one vector load; a runtime-sized memcpy is a library call), a row's tail
+// the sized one: the same vector either way, so the arithmetic that follows is the same.
+inline v16 load(const float* p, int64_t n = W) {
+  v16 x = {0};
+  if (n == W) std::memcpy(&x, p, sizeof x);
+  else std::memcpy(&x, p, n * sizeof(float));
+  return x;
+}
+inline void store(float* p, v16 x, int64_t n = W) {
+  if (n == W) std::memcpy(p, &x, sizeof x);
+  else std::memcpy(p, &x, n * sizeof(float));
+}
+
+
+// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
 inline float hsum(v16 x) {
   v8 lo, hi;
   std::memcpy(&lo, &x, 32);
@@ -91,6 +99,46 @@ inline float hsum(v16 x) {
   v4 b = alo + ahi;
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+
+// exp(x) for x <= 0: Cephes expf (the attention kernel's), x < -87 gives exactly 0
+inline v16 exp_nonpos(v16 x) {
+  const v16i tiny = x < -87.0f;
+  v16 xc = tiny ? splat(-87.0f) : x;
+  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  v16 r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  v16 y = splat(1.9875691500e-4f);
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = (y * (r * r) + r) + 1.0f;
+  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 pow2n;
+  std::memcpy(&pow2n, &bits, sizeof pow2n);
+  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
+  v16 res;
+  std::memcpy(&res, &out, sizeof res);
+  return res;
+}
+
+}  // namespace
+"""
+
+_SOURCE = VECTOR_PRELUDE + r"""
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// Explicit 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has
+// them, pairs or quads of narrower ones elsewhere, the same arithmetic either way). Every
+// floating-point operation of the kernel is a vector operation on whole lanes; there is no
+// scalar twin of any loop whose rounding could differ (contracted or not) from the vector one.
+
 
 // x[jj] (16 lanes each) -> lane jj = the sum of x[jj]'s lanes, by 4 levels of pairwise
 // shuffle-and-add: level k adds the two halves of every 16 >> k lane segment of two vectors,
@@ -112,29 +160,6 @@ inline v16 transpose_reduce(const v16* x) {
   return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
 
-// exp(x) for x <= 0, lane by lane: Cephes expf (Cody-Waite reduction, degree-5 polynomial,
-// ~1 ulp); x < -87 (and the -inf of padding) gives exactly 0.
-inline v16 exp_nonpos(v16 x) {
-  const v16i tiny = x < -87.0f;
-  v16 xc = tiny ? splat(-87.0f) : x;
-  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
-  v16 r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16 y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.0f;
-  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;  // 2^n, n in [-126, 0]
-  v16 pow2n;
-  std::memcpy(&pow2n, &bits, sizeof pow2n);
-  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
-  v16 res;
-  std::memcpy(&res, &out, sizeof res);
-  return res;
-}
 
 }  // namespace
 

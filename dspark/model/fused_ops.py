@@ -33,38 +33,14 @@ import warnings
 
 import torch
 
-from dspark.model.attention import build_library
+from dspark.model.attention import VECTOR_PRELUDE, build_library
 
-_SOURCE = r"""
+_SOURCE = VECTOR_PRELUDE + r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 namespace {
-
-constexpr int64_t W = 16;
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-
-inline v16 splat(float x) { return v16{} + x; }
-
-// The first n (<= 16) floats at p, zeros in the remaining lanes. Whole vectors take a
-// fixed-size copy (one vector load; a runtime-sized memcpy is a library call), a row's tail
-// the sized one: the same vector either way, so the arithmetic that follows is the same.
-inline v16 load(const float* p, int64_t n = W) {
-  v16 x = {0};
-  if (n == W) std::memcpy(&x, p, sizeof x);
-  else std::memcpy(&x, p, n * sizeof(float));
-  return x;
-}
-inline void store(float* p, v16 x, int64_t n = W) {
-  if (n == W) std::memcpy(p, &x, sizeof x);
-  else std::memcpy(p, &x, n * sizeof(float));
-}
 
 // bf16 -> fp32 is exact: the 16 bits are the top half of the float
 inline v16 load_bf16(const uint16_t* p, int64_t n = W) {
@@ -89,41 +65,7 @@ inline void store_bf16(uint16_t* p, v16 x, int64_t n = W) {
   else std::memcpy(p, &h, n * sizeof(uint16_t));
 }
 
-// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
-inline float hsum(v16 x) {
-  v8 lo, hi;
-  std::memcpy(&lo, &x, 32);
-  std::memcpy(&hi, reinterpret_cast<char*>(&x) + 32, 32);
-  v8 a = lo + hi;
-  v4 alo, ahi;
-  std::memcpy(&alo, &a, 16);
-  std::memcpy(&ahi, reinterpret_cast<char*>(&a) + 16, 16);
-  v4 b = alo + ahi;
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
-// exp(x) for x <= 0: Cephes expf (the attention kernel's), x < -87 gives exactly 0
-inline v16 exp_nonpos(v16 x) {
-  const v16i tiny = x < -87.0f;
-  v16 xc = tiny ? splat(-87.0f) : x;
-  v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  v16 r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  v16 y = splat(1.9875691500e-4f);
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = (y * (r * r) + r) + 1.0f;
-  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16 pow2n;
-  std::memcpy(&pow2n, &bits, sizeof pow2n);
-  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
-  v16 res;
-  std::memcpy(&res, &out, sizeof res);
-  return res;
-}
 
 // below ~64K elements waking the second thread costs more than the work
 inline int threads_for(int64_t elements, int threads) { return elements < (1 << 16) ? 1 : threads; }
