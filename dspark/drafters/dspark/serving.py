@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dspark.calibration.sts import apply_temperatures
+from dspark.drafters import serving_gemms
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint
 from dspark.drafters.dspark.heads import sample_sequential
@@ -42,7 +43,11 @@ class DSparkServingDrafter:
         greedy_temperatures: torch.Tensor | None = None,  # [γ] of greedy requests; None = use `temperatures`
         logits_fn=None,  # hidden [n, d] -> U [n, V]: the target's packed LM head; None = the model's own matmul
     ):
-        self.model = model.eval()
+        # the model is taken over for serving: its GEMMs are prepacked in place (serving_gemms.py)
+        self.model = serving_gemms.prepare_for_serving(model.eval())
+        draft_vocabulary = isinstance(model, DSparkDrafter) and model.draft_to_target is not None
+        if logits_fn is None and draft_vocabulary and serving_gemms.available(model):  # its N rows of the LM head, packed
+            logits_fn = serving_gemms.packed_gemm(model.draft_lm_head().detach())
         self.logits_fn = logits_fn
         self.temperatures = temperatures
         self.greedy_temperatures = greedy_temperatures if greedy_temperatures is not None else temperatures
@@ -59,7 +64,7 @@ class DSparkServingDrafter:
         ckpt.drafter.config.check_target(target.config)
         # Without a draft vocabulary: the shared LM head through the target's prepacked GEMM (4x
         # faster than a plain fp32 matmul for γ rows here, and the same weight). With one, the
-        # drafter's own N-row slice of it (N/V of the work).
+        # drafter's own N-row slice of it (N/V of the work), packed by __init__.
         logits_fn = target.compute_logits if ckpt.drafter.draft_to_target is None else None
         return cls(ckpt.drafter, temperatures=ckpt.temperatures, greedy_temperatures=ckpt.greedy_temperatures,
                    top_k=top_k, top_p=top_p, logits_fn=logits_fn)

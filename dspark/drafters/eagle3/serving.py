@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters import serving_gemms
 from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
 from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.eagle3.checkpoint import load_checkpoint
@@ -52,7 +53,7 @@ class Eagle3ServingDrafter:
         top_p: float = 1.0,
         logits_fn=None,  # normed hidden [n, d] -> [n, V]: the target's packed LM head; None = a plain matmul
     ):
-        self.model = model.eval()
+        self.model = serving_gemms.prepare_for_serving(model.eval())  # its GEMMs prepacked in place
         self.logits_fn = logits_fn
         self.top_k, self.top_p = top_k, top_p
         self.block_size = model.config.block_size
