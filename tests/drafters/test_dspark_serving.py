@@ -135,3 +135,43 @@ def test_a_requests_draft_does_not_depend_on_how_far_its_neighbours_draft(tiny_r
     assert torch.equal(alone.token_ids, batched.token_ids)
     torch.testing.assert_close(alone.dense_probs, batched.dense_probs, rtol=1e-5, atol=1e-6)
     assert torch.equal(next_alone, next_batched)  # the same number of uniforms was drawn
+
+
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5)],
+                         ids=["greedy", "T=0.8", "T=1-top-k"])
+def test_requests_drafted_in_one_batch_get_what_each_gets_alone(tiny_runtime_factory, params):
+    """The sequential head runs once for every request that samples alike (serving.py groups
+    them), each with its own generator and draft count: tokens and generator state are exactly
+    those of the request drafted alone, rows and confidences equal to fp32 rounding (the
+    backbone pads the batch's contexts to the longest, which moves attention's last bits; as in
+    test_a_requests_draft_does_not_depend_on_how_far_its_neighbours_draft)."""
+    from dspark.drafters.base import DraftRequest
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3), compute_dtype=torch.float32)
+    drafter = make_serving_drafter(runtime, seed=5)
+    gen = torch.Generator().manual_seed(2)
+    lengths = {"a": 9, "b": 14, "c": 5, "d": 11}
+    counts = {"a": 4, "b": 2, "c": 3, "d": 4}
+    for rid, n in lengths.items():
+        drafter.observe(rid, torch.randn(n, 2, runtime.config.hidden_size, generator=gen))
+
+    def request(rid: str, seed: int) -> DraftRequest:
+        tokens = [(3 * i + seed) % runtime.vocab_size for i in range(lengths[rid] + 1)]  # anchor at position lengths[rid]
+        return DraftRequest(rid, tokens, 2, params, counts[rid], torch.Generator().manual_seed(seed))
+
+    seeds = {rid: 10 + i for i, rid in enumerate(lengths)}
+    alone = {rid: (drafter.propose([r := request(rid, seeds[rid])])[0], torch.rand(1, generator=r.generator)) for rid in lengths}
+    batch = [request(rid, seeds[rid]) for rid in lengths]
+    together = dict(zip(lengths, drafter.propose(batch)))
+    for req in batch:
+        rid = req.request_id
+        (single, next_uniform), batched = alone[rid], together[rid]
+        assert len(batched) == counts[rid]
+        assert torch.equal(single.token_ids, batched.token_ids), rid
+        torch.testing.assert_close(single.confidences, batched.confidences, rtol=1e-5, atol=1e-6)
+        for field in ("dense_probs", "prob_ids", "probs"):
+            a, b = getattr(single, field), getattr(batched, field)
+            assert (a is None) == (b is None), (rid, field)
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.rand(1, generator=req.generator), next_uniform), rid  # the same uniforms were drawn

@@ -41,6 +41,12 @@ class MarkovHead(nn.Module):
         super().__init__()
         self.w1 = nn.Embedding(vocab_size, rank)  # [V, r], shared with the confidence head
         self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N], zero: B = 0 at init
+        self.__dict__["w2_gemm"] = None  # serving: x -> x W2 prepacked, row-invariant (dspark/drafters/serving_gemms.py)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, r] -> [n, N] = x W2
+        gemm = self.__dict__["w2_gemm"]
+        return x @ self.w2 if gemm is None else gemm(x.float())
 
     def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
         return None
@@ -51,7 +57,7 @@ class MarkovHead(nn.Module):
         hidden: torch.Tensor,  # [n, hidden] h_k (unused: the Markov bias sees only x_{k-1})
         state: HeadState,
     ) -> tuple[torch.Tensor, HeadState]:  # bias [n, N], state
-        return prev_emb @ self.w2, state
+        return self.project(prev_emb), state
 
     def teacher_forced(
         self,
@@ -74,6 +80,12 @@ class RNNHead(nn.Module):
         self.w1 = nn.Embedding(vocab_size, rank)  # [V, r]
         self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N]
         self.joint = nn.Linear(2 * rank + hidden_size, 3 * rank)  # [3r, 2r + hidden] (+ bias [3r])
+        self.__dict__["w2_gemm"] = None  # serving: x -> x W2 prepacked, row-invariant (dspark/drafters/serving_gemms.py)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, r] -> [n, N] = x W2
+        gemm = self.__dict__["w2_gemm"]
+        return x @ self.w2 if gemm is None else gemm(x.float())
 
     def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
         return like.new_zeros(num_rows, self.rank)  # [n, r] s_0 = 0
@@ -88,7 +100,7 @@ class RNNHead(nn.Module):
         g_raw, c_raw, o_raw = self.joint(z).chunk(3, dim=-1)  # [n, r] each
         g = torch.sigmoid(g_raw)
         new_state = g * state + (1.0 - g) * torch.tanh(c_raw)  # Eq. 6 state update
-        return torch.tanh(o_raw) @ self.w2, new_state  # B_k = W2ᵀ tanh(W_o z)
+        return self.project(torch.tanh(o_raw)), new_state  # B_k = W2ᵀ tanh(W_o z)
 
     def teacher_forced(
         self,
@@ -129,7 +141,11 @@ class ConfidenceHead(nn.Module):
         hidden: torch.Tensor,  # [..., hidden] h_k
         prev_emb: torch.Tensor,  # [..., r] W1[x_{k-1}]
     ) -> torch.Tensor:  # [...] logit of c_k
-        return self.proj(torch.cat([hidden, prev_emb], dim=-1)).squeeze(-1)
+        # a product and a sum over the last dim, not a [rows, hidden + r] x [hidden + r, 1] GEMM:
+        # each row's logit is then the same bits however many rows are computed at once (serving
+        # computes a batch's positions together; a seeded request must not see its neighbours)
+        z = torch.cat([hidden, prev_emb], dim=-1)  # [..., hidden + r]
+        return (z * self.proj.weight[0]).sum(dim=-1) + self.proj.bias[0]
 
 
 # ---- serving: left-to-right sampling ----------------------------------------------------------
@@ -180,8 +196,9 @@ def sample_sequential(
     temperature: float,
     top_k: int = 0,
     top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator | None] | None = None,
     draft_to_target: torch.Tensor | None = None,  # [N] int64 target id of each draft index; None: N = V, the identity
+    num_tokens: list[int] | None = None,  # [n] drafts each row needs (<= γ); None: γ for every row
 ) -> DraftSample:
     """Sample x_1..x_γ left to right from p_k = softmax((U_k + B_k)/T), truncated by top-k/top-p
     and renormalised exactly as the target side does (`logits_to_probs`).
@@ -190,7 +207,12 @@ def sample_sequential(
     from, and B_k was computed from the x[i, k-1] actually sampled; the verifier's losslessness
     rests on this. Temperature 0 takes the argmax (ties: lowest draft index) as a point mass.
     With a draft vocabulary the rows come back sparse over target ids (draft_to_target of every
-    draft index; zero on the other V - N tokens), and the tokens are target ids."""
+    draft index; zero on the other V - N tokens), and the tokens are target ids.
+
+    Batches of requests (serving): `generator` may be a list, one per row, and `num_tokens` says
+    how far each row drafts; row i then draws exactly num_tokens[i] uniforms of its own generator
+    and its outputs past num_tokens[i] are meaningless. With row-invariant GEMMs (the serving
+    drafters' packed ones) a row gets the same tokens, rows and generator state as alone."""
     n, gamma, vocab = base_logits.shape
     if hidden.shape[:2] != (n, gamma) or anchor_tokens.shape != (n,):
         raise ValueError(
@@ -201,30 +223,34 @@ def sample_sequential(
         raise ValueError(f"draft_to_target must be [{vocab}] (one target id per draft index), got {tuple(draft_to_target.shape)}")
     if not temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if num_tokens is not None and (len(num_tokens) != n or min(num_tokens, default=0) < 0 or max(num_tokens, default=0) > gamma):
+        raise ValueError(f"num_tokens must give each of the {n} rows a count in [0, {gamma}], got {num_tokens}")
     greedy = temperature == 0.0
     truncated = not greedy and ((0 < top_k < vocab) or top_p < 1.0)
     to_target = (lambda i: i) if draft_to_target is None else (lambda i: draft_to_target[i])  # noqa: E731
 
     tokens = torch.empty(n, gamma, dtype=torch.long, device=base_logits.device)  # target ids
-    conf_logits = torch.empty(n, gamma, dtype=torch.float32, device=base_logits.device)
     rows = None if greedy else torch.empty(n, gamma, vocab, dtype=torch.float32, device=base_logits.device)  # over draft indices
     prev = anchor_tokens.long()  # [n] x_{k-1}, target ids
+    prev_embs = []  # [n, r] per position: W1[x_{k-1}], read again by the confidence head
     state = head.init_state(n, like=hidden)
     # A Python loop over γ positions: x_k's distribution depends on the sampled x_{k-1}, which is
     # the point of the sequential stage (the backbone's γ positions ran in parallel before it).
     for k in range(gamma):
         prev_emb = head.w1(prev)  # [n, r]
-        conf_logits[:, k] = confidence_head(hidden[:, k], prev_emb).float()
+        prev_embs.append(prev_emb)
         bias, state = head.step(prev_emb, hidden[:, k], state)  # [n, N]
         logits = base_logits[:, k].float() + bias.float()  # [n, N] U_k + B_k
         if greedy:
             index = logits.argmax(dim=-1)
         else:
             probs = logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)  # [n, N]
-            index = sample_categorical(probs, generator)  # [n]
+            index = _draw(probs, generator, None if num_tokens is None else [k < m for m in num_tokens])  # [n]
             rows[:, k] = probs
         prev = to_target(index)
         tokens[:, k] = prev
+    # c_k reads h_k and W1[x_{k-1}], both known now: every position at once
+    conf_logits = confidence_head(hidden, torch.stack(prev_embs, dim=1)).float()  # [n, γ]
     if greedy:
         ones = torch.ones(n, gamma, 1, dtype=torch.float32, device=tokens.device)
         return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=tokens.unsqueeze(-1), sparse_probs=ones)
@@ -237,6 +263,19 @@ def sample_sequential(
         ids = draft_to_target.expand(n, gamma, vocab)
         return DraftSample(tokens=tokens, confidence_logits=conf_logits, sparse_ids=ids, sparse_probs=rows)
     return DraftSample(tokens=tokens, confidence_logits=conf_logits, dense_probs=rows)
+
+
+def _draw(probs: torch.Tensor, generator, live: list[bool] | None) -> torch.Tensor:
+    """One draft index per row of probs [n, N]; rows not `live` (past their own draft count) draw
+    nothing and get a placeholder (their argmax), so their generators are left untouched."""
+    if live is None or all(live):
+        return sample_categorical(probs, generator)
+    index = probs.argmax(dim=-1)  # [n]
+    rows = [i for i, x in enumerate(live) if x]
+    if rows:
+        gens = [generator[i] for i in rows] if isinstance(generator, list) else generator
+        index[rows] = sample_categorical(probs[rows], gens)
+    return index
 
 
 def teacher_forced_logits(

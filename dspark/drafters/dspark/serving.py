@@ -45,6 +45,8 @@ class DSparkServingDrafter:
     ):
         # the model is taken over for serving: its GEMMs are prepacked in place (serving_gemms.py)
         self.model = serving_gemms.prepare_for_serving(model.eval())
+        if isinstance(model, DSparkDrafter) and serving_gemms.available(model):  # the sequential head's x W2, all rows at once
+            model.head.__dict__["w2_gemm"] = serving_gemms.packed_gemm(model.head.w2.detach().t())  # x W2 = x (W2ᵀ)ᵀ
         draft_vocabulary = isinstance(model, DSparkDrafter) and model.draft_to_target is not None
         if logits_fn is None and draft_vocabulary and serving_gemms.available(model):  # its N rows of the LM head, packed
             logits_fn = serving_gemms.packed_gemm(model.draft_lm_head().detach())
@@ -156,29 +158,43 @@ class DSparkServingDrafter:
         steps = max(requests[i].max_draft_tokens for i in active)
         hidden = self._encode_blocks(requests, active)[:, :steps]  # [n, steps, hidden]: DSpark's block is [x_0, mask × (γ-1)]
         base_logits = self._base_logits(hidden)  # [n, steps, N]
+        # One sequential-head pass per group of requests that sample alike (greedy, or the same
+        # temperature and truncation); inside it each request keeps its own generator and draft
+        # count, and the head's GEMMs are row-invariant, so a request drafts what it would alone.
+        groups: dict[tuple, list[int]] = {}
         for row, i in enumerate(active):
-            req = requests[i]
-            # this request's own k, not the batch's: its generator must not depend on its neighbours
-            k = req.max_draft_tokens
+            groups.setdefault(self._sampling_key(requests[i].params), []).append(row)
+        for (temperature, top_k, top_p), rows in groups.items():
+            reqs = [requests[active[row]] for row in rows]
+            counts = [r.max_draft_tokens for r in reqs]
+            k = max(counts)
             sample = sample_sequential(
-                base_logits=base_logits[row : row + 1, :k],
-                hidden=hidden[row : row + 1, :k],
-                anchor_tokens=torch.tensor([req.token_ids[-1]]),
+                base_logits=base_logits[rows, :k],
+                hidden=hidden[rows, :k],
+                anchor_tokens=torch.tensor([r.token_ids[-1] for r in reqs]),
                 head=self.model.head,
                 confidence_head=self.model.confidence_head,
-                temperature=req.params.temperature,
-                # the tighter of the drafter's own truncation and the request's: a token outside
-                # the request's nucleus would be rejected anyway (p_t = 0 there), so it is not drafted
-                top_k=_tighter_top_k(self.top_k, req.params.top_k),
-                top_p=min(self.top_p, req.params.top_p),
-                generator=req.generator,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                generator=[r.generator for r in reqs],
                 draft_to_target=self.model.draft_to_target,
+                num_tokens=counts,
             )
-            logits = sample.confidence_logits[0]  # [k]
-            temps = self.greedy_temperatures if req.params.is_greedy else self.temperatures  # STS per regime
-            conf = apply_temperatures(logits, temps[:k]) if temps is not None else torch.sigmoid(logits)
-            out[i] = sample.proposal(0, confidences=conf)
+            temps = self.greedy_temperatures if temperature == 0.0 else self.temperatures  # STS per regime
+            for j, (row, req) in enumerate(zip(rows, reqs)):
+                logits = sample.confidence_logits[j, : counts[j]]  # [k_r]
+                conf = apply_temperatures(logits, temps[: counts[j]]) if temps is not None else torch.sigmoid(logits)
+                out[active[row]] = sample.proposal(j, num_tokens=counts[j], confidences=conf)
         return out
+
+    def _sampling_key(self, params) -> tuple[float, int, float]:
+        """(temperature, top_k, top_p) the head samples a request's drafts with: the tighter of the
+        drafter's own truncation and the request's (a token outside the request's nucleus would be
+        rejected anyway, p_t = 0 there, so it is not drafted); greedy requests ignore truncation."""
+        if params.is_greedy:
+            return (0.0, 0, 1.0)
+        return (float(params.temperature), _tighter_top_k(self.top_k, params.top_k), min(self.top_p, params.top_p))
 
 
 def _tighter_top_k(a: int, b: int) -> int:
