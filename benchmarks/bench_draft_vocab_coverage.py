@@ -1,5 +1,5 @@
-"""How much of the target a draft vocabulary of N tokens can reach (the coverage columns of README's
-draft-vocabulary table), for several N in one pass over held-out positions.
+"""How much of the target a draft vocabulary of N tokens can reach (the coverage columns of the
+draft-vocabulary table in docs/results/training.md), for several N in one pass over held-out positions.
 
     python benchmarks/bench_draft_vocab_coverage.py --cache runs/default-drafter/cache-train \
         --eval-cache runs/default-drafter/cache-heldout --per-sequence 10

@@ -5,7 +5,7 @@
     python benchmarks/bench_forward.py --compare-fused [--context 200 --repeats 7]
     python benchmarks/bench_forward.py --compare-old-gemm [--context 200 --repeats 7]
 
-Roofline (ARCHITECTURE.md): a step must at least stream the weights once (bf16 linear layers +
+Roofline (docs/architecture.md §8): a step must at least stream the weights once (bf16 linear layers +
 the fp32 LM head) at the measured memory bandwidth, and do 2·params FLOPs per token at the bf16
 peak; the bound is the larger of the two. The batch is shaped like verification (requests of
 8 query tokens over a 128-token context).

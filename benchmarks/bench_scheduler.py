@@ -3,7 +3,7 @@
 The scheduler runs on the host once per round, on the critical path between drafting and
 verification, so its cost must stay far below a verifier step (target: under 1 ms at R = 512,
 γ = 16). Inputs: confidences drawn as a trained drafter's look (mostly high, decaying with
-position), and the SPS table of the default model measured on this machine (ARCHITECTURE.md,
+position), and the SPS table of the default model measured on this machine (docs/results/forward.md,
 B = 1..256, step time ∝ B beyond), extended to B = R·(1 + γ) as `SPSProfile.table` does.
 Also times the worst case (a flat SPS table: Θ rises with every admission, so every candidate
 is ranked), the no-break full search and the async variant (capacity search + top-K).
@@ -23,10 +23,10 @@ from dspark.profiling.sps import SPSProfile
 from dspark.scheduling.prefix_scheduler import schedule, schedule_async, schedule_full_search, schedule_reference
 
 # Our runtime on SmolLM2-135M (bf16) on this 2-core CPU, from `python benchmarks/bench_forward.py`
-# (README); pass --profile-json with the output of `dspark profile --json` to use another one.
+# (docs/results/forward.md); pass --profile-json with the output of `dspark profile --json` to use another one.
 PROFILE = SPSProfile(
     batch_sizes=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-    step_seconds=[0.0271, 0.0303, 0.0319, 0.0393, 0.0560, 0.0928, 0.168, 0.312, 0.580],  # first run, see README
+    step_seconds=[0.0271, 0.0303, 0.0319, 0.0393, 0.0560, 0.0928, 0.168, 0.312, 0.580],  # first run, see docs/results/forward.md
 )
 REQUESTS = (1, 8, 32, 128, 512)
 GAMMAS = (7, 16)

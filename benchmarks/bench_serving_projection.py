@@ -6,13 +6,13 @@
 with the same verifier (SPS(B) profiled now, as `dspark serve` does at start) and the same
 drafting cost per round (the shipped drafter timed now on R requests), how fast would each policy
 be if the drafter's conditional acceptance were α at every position? (Ours is about 0.32 at
-position 1, README "The shipped drafter"; the paper's DSpark holds about 0.9 over the block,
-DSPARK.md section 6.)
+position 1, docs/results/training.md; the paper's DSpark holds about 0.9 over the block,
+docs/method.md §10.)
 
 Model: R requests decode in lock-step rounds (no prefills, no HTTP, bus or scheduler overhead).
 A round drafts (t_draft(R); `none` drafts nothing), then verifies B = Σ_r (1 + ℓ_r) tokens in
 t_verify(B) from the profile. A request verifying ℓ drafts emits τ = Σ_{j=0..ℓ} α^j tokens in
-expectation (accepted drafts + the bonus token, DSPARK.md section 1), so per-user tokens/s = mean
+expectation (accepted drafts + the bonus token, docs/method.md §1), so per-user tokens/s = mean
 τ / round time and aggregate = R times that. `dspark` runs Algorithm 1 itself (`schedule`) on
 calibrated confidences α·(1 ± spread) (requests differ in difficulty); `dspark-async` takes the
 same decision when confidences are stationary, so it is not repeated. The frontier arithmetic

@@ -102,7 +102,7 @@ class DrafterSection(_Endpoint):
     address: str = ""
     # dspark.drafters.DRAFTERS; "dspark"/"dspark-lookup" with no path = the checkpoint shipped for the
     # default model. dspark-lookup: DSpark plus lookup proposals where the context repeats (greedy
-    # τ 2.05 against 1.35 offline, README "The shipped drafter"); same checkpoint, same exactness.
+    # τ 2.05 against 1.35 offline, docs/results/lookup.md); same checkpoint, same exactness.
     name: str = "dspark-lookup"
     path: str = ""  # checkpoint directory of a trained drafter (dspark); "" = none
     top_k: int = 0  # truncate the drafter's rows to its top k (sparse on the wire); 0 = full rows

@@ -4,7 +4,7 @@
 # rerun the script after an interruption.
 #   bash scripts/train_default_drafter.sh [RUN_DIR]     # default RUN_DIR: runs/default-drafter
 #
-# Recipe (README "The shipped drafter"): the target's own GREEDY regenerations of ShareGPT/CHAMP
+# Recipe (docs/results/training.md): the target's own GREEDY regenerations of ShareGPT/CHAMP
 # prompts (../shared/data/regenerated, made by `dspark data generate --temperature 0`), cached
 # shortest prompts first (the most response tokens, i.e. anchors, per target forward on a CPU),
 # a draft vocabulary of the DRAFT_VOCAB most frequent response tokens (FR-Spec, docs/method.md §6),

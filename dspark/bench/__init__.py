@@ -1,4 +1,4 @@
-"""Serving benchmark (issue #6, DSPARK.md §6, Figs. 7 and 8): load against the OpenAI API, and its report.
+"""Serving benchmark (issue #6, docs/method.md §10, Figs. 7 and 8): load against the OpenAI API, and its report.
 
     serve_prompts.py   the prompt mix: math / code / chat sets of ../shared/data/eval, interleaved
     serve_stats.py     one request's record (TTFT, per-user decode speed, speculative statistics)

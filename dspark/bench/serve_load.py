@@ -5,7 +5,7 @@
     summaries = asyncio.run(run_sweep("http://127.0.0.1:8000", config, prompts, policy="dspark",
                                       concurrencies=(1, 2, 4, 8), temperatures=(0.0, 1.0)))
 
-Two load modes (DSPARK.md §6 measures both regimes the scheduler adapts to):
+Two load modes (docs/method.md §10: the paper measures both regimes the scheduler adapts to):
 - closed loop, concurrency C: C clients, each sends its next request when its last one is done,
   so C requests are always in flight. `warmup` requests (default C, one per client) run first and
   all finish before measuring starts: the measured window begins with C fresh streams, and its

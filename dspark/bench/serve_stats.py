@@ -1,6 +1,6 @@
 """What one streamed request measured, and what one load point sums up to (pure functions).
 
-Definitions (the columns of docs/results/serving.csv, DSPARK.md §6 Figs. 7 and 8):
+Definitions (the columns of docs/results/serving.csv, docs/method.md §10, Figs. 7 and 8):
 
 - time to first token (TTFT): from sending the request to the first SSE chunk that carries text
   (the chat role chunk, sent when the scheduler accepts the request, carries none).

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (STS, DSPARK.md §4) and the calibration metrics around it.
+"""Sequential Temperature Scaling (STS, docs/method.md §4) and the calibration metrics around it.
 
 The confidence head's raw c_k = σ(l_k) rank well but are over-confident; the scheduler needs
 absolute values of the prefix survival a_k = Π_{i≤k} c_i. On a held-out set of blocks with raw

@@ -3,7 +3,7 @@ no `--drafter-path` is given).
 
     dspark/drafters/checkpoints/<name>/   config.json, model.safetensors (bf16), sts.json
 
-The README's "Trained drafter" section gives the one command that reproduces each of them.
+docs/results/training.md gives the one command that reproduces each of them.
 """
 
 from __future__ import annotations

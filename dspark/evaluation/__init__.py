@@ -1,4 +1,4 @@
-"""Offline evaluation (issue #4, DSPARK.md §6): accepted length per round on the paper's benchmarks.
+"""Offline evaluation (issue #4, docs/method.md §10): accepted length per round on the paper's benchmarks.
 
     prompts.py       the benchmark prompts (../shared/data/eval)
     runner.py        one benchmark's conversations through the engine, every round recorded

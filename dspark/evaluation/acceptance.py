@@ -1,6 +1,6 @@
 """Per-round acceptance records of an offline evaluation, and the paper's statistics over them.
 
-A round of chain speculative decoding (DSPARK.md §1) verifies ℓ drafts x_1..x_ℓ after the
+A round of chain speculative decoding (docs/method.md §1) verifies ℓ drafts x_1..x_ℓ after the
 anchor x_0, accepts a prefix of a ≤ ℓ of them and emits one more token (the corrected token
 at the first rejection, else the bonus token): a + 1 tokens. One round is therefore fully
 described, for the statistics here, by (ℓ, a) and, for drafters that have them, the
@@ -13,7 +13,7 @@ calibrated conditional confidences c_1..c_ℓ it proposed with. From those:
         accepted min(a, ℓ_C) drafts: τ_C = mean(min(a, ℓ_C) + 1), verified ℓ_C + 1 tokens
     reliability (Fig. 6): pairs (c_k, 1[k ≤ a]) for every position the verifier decided on
         (k ≤ min(a + 1, ℓ)), and per position k the prefix survival a_k = Π_{i≤k} c_i against
-        s_k = 1[a ≥ k] over rounds with ℓ ≥ k (what STS calibrates, DSPARK.md §4).
+        s_k = 1[a ≥ k] over rounds with ℓ ≥ k (what STS calibrates, docs/method.md §4).
 
 Pure numpy functions, no model: the runner (runner.py) produces `RoundRecords`, the report
 (offline_eval.py) turns them into numbers. Run the tests: python -m pytest tests/evaluation -q

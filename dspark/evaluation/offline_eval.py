@@ -1,4 +1,4 @@
-"""The paper's offline evaluation (DSPARK.md §6): accepted length per round on the benchmarks.
+"""The paper's offline evaluation (docs/method.md §10): accepted length per round on the benchmarks.
 
 Scheduler off, chain drafts, a fixed block γ: every drafter named on the command line generates
 `limit` prompts of each benchmark (every turn of multi-turn prompts) at each temperature, and

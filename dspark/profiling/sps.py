@@ -1,6 +1,6 @@
 """SPS(B): verifier steps per second as a function of the batch size B in tokens.
 
-The prefix scheduler (DSPARK.md section 5) maximises τ·SPS(B), so it needs this curve for the
+The prefix scheduler (docs/method.md §5.1) maximises τ·SPS(B), so it needs this curve for the
 hardware it runs on. It is measured once at start-up on dummy requests shaped like verification
 batches (requests of up to γ+1 query tokens over a cached context), at a grid of batch sizes,
 and interpolated linearly in step time in between. Run `dspark profile` to print it.

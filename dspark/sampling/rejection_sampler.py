@@ -6,7 +6,7 @@ random numbers a round consumes (`draw_rejection_randoms`), the plain per-reques
 reference (`rejection_sample_reference`, the definition the Triton kernel is tested against)
 and the public entry point `rejection_sample(batch, backend="torch" | "triton")`.
 
-The math (DSPARK.md section 1), per request r with drafts x_1..x_l:
+The math (docs/method.md §1), per request r with drafts x_1..x_l:
   * accept x_k iff u_k < p_t(x_k) / p_d(x_k), evaluated as u_k * p_d(x_k) < p_t(x_k) in fp32;
   * at the first rejection emit a draw from norm(max(0, p_t - p_d)) at that position;
   * if all l drafts are accepted emit the bonus, a draw from p_t at position l + 1.

@@ -1,6 +1,6 @@
 """Scheduling: how many drafts each request sends to the verifier per round.
 
-`prefix_scheduler` holds the math as pure functions (DSPARK.md section 5: Algorithm 1 with its
+`prefix_scheduler` holds the math as pure functions (docs/method.md §5: Algorithm 1 with its
 plain reference, the no-break full search, the async variant, the brute-force optimum);
 `policies` wraps it and the baselines behind one interface, parsed from strings such as
 "fixed:3" or "dspark". Run the tests with `python -m pytest tests/scheduling -q`.

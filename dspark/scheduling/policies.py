@@ -136,7 +136,7 @@ class ThresholdPolicy:
     """Admit x_{r,j} while its cumulative survival a_{r,j} = Π_{i≤j} c_{r,i} ≥ C.
 
     Thresholds a, not c: a_{r,j} is the calibrated probability that x_{r,j} is accepted at all
-    (STS calibrates exactly this product, DSPARK.md section 4), so C bounds the expected
+    (STS calibrates exactly this product, docs/method.md §4), so C bounds the expected
     waste per admitted token; it is non-increasing in j, so the admitted set is a prefix and
     position j is decided from a_{r,j} alone (lossless). Thresholding c would keep admitting
     after a long chain of middling confidences whose joint survival is tiny. Ignores the SPS

@@ -1,10 +1,10 @@
-"""The hardware-aware prefix scheduler (DSPARK.md section 5, Algorithm 1) as pure functions.
+"""The hardware-aware prefix scheduler (docs/method.md §5, Algorithm 1) as pure functions.
 
 This module owns the scheduler's math: given the calibrated confidences of this round's drafts
 and the verifier's SPS(B) table, how many drafts ℓ_r each request sends to the verifier. It
 holds no state; `dspark.scheduling.policies` wraps it (and the baselines) for the engine.
 
-Notation (DSPARK.md sections 2, 4, 5). R requests, up to γ drafts each; c_{r,j} is the
+Notation (docs/method.md §2, §4, §5). R requests, up to γ drafts each; c_{r,j} is the
 calibrated probability that draft x_{r,j} survives verification given x_{r,<j} survived, and
     a_{r,j} = Π_{i≤j} c_{r,i}                                  (survival of the prefix)
     τ*(ℓ)   = Σ_r (1 + Σ_{j≤ℓ_r} a_{r,j})                       (expected tokens this round)
@@ -19,16 +19,16 @@ non-increasing in j (c ≤ 1, and fl(a·c) ≤ a), the sorted list meets each re
 prefix order, so every prefix of it admits a prefix x_{r,1..ℓ_r} of each request.
 
 Invariant (why the output stays lossless). c_{r,j} is computed from x_{r,<j} only (the
-confidence head reads h_j and x_{j-1}, DSPARK.md section 2), so a_{r,j} does not depend on
+confidence head reads h_j and x_{j-1}, docs/method.md §2), so a_{r,j} does not depend on
 x_{r,j} while a_{r,j+1} does. With the break, whether (r, j) is admitted is decided by the
 candidates ranked above it -- other requests' candidates and r's own earlier positions
 (r, <j), never (r, >j) -- plus a_{r,j}: the event {ℓ_r ≥ j} never depends on the realisation of x_{r,j}, i.e. ℓ_r is a
 stopping time of the draft sequence, and rejection sampling of the admitted prefix is exact.
 A search without the break (the argmax of Θ over all prefix lengths, `schedule_full_search`)
-looks at a_{r,j+1} when deciding on x_{r,j} and is biased: DSPARK.md's counterexample
+looks at a_{r,j+1} when deciding on x_{r,j} and is biased: docs/method.md §5.4's counterexample
 outputs A with probability 0.85 instead of 0.7 (reproduced in tests/scheduling).
 
-Asynchronous variant (`schedule_async`, DSPARK.md section 5 "production variant"): the
+Asynchronous variant (`schedule_async`, docs/method.md §5.5): the
 capacity K (how many drafts fit) comes from a full search over confidences that are two
 rounds old; this round's candidates are ranked by their current a and the top K admitted.
 Exactness argument: K is fixed before this round's drafts exist, and the rank of (r, j) in the
@@ -127,7 +127,7 @@ def _check_prefill(prefill_tokens: int, prefill_emitted: int) -> None:
 
 
 def survival_products(*, confidences: ArrayLike, num_drafts: ArrayLike | None = None) -> np.ndarray:
-    """a_{r,j} = Π_{i≤j} c_{r,i} (DSPARK.md sections 4-5), zero at positions j ≥ num_drafts[r]. -> [R, γ] float64."""
+    """a_{r,j} = Π_{i≤j} c_{r,i} (docs/method.md §4, §5.1), zero at positions j ≥ num_drafts[r]. -> [R, γ] float64."""
     c, n, _ = _as_inputs(confidences, num_drafts, None)
     return _survival(c, n)
 

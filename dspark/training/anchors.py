@@ -2,7 +2,7 @@
 
 For a sequence of T tokens with a P-token prompt, an anchor is a position t with P <= t <= T-2
 (the anchor x_0 is a response token, as at serving time where it is the target's last output,
-and at least the first label exists). Block position k = 1..γ then has (DSPARK.md §3):
+and at least the first label exists). Block position k = 1..γ then has (docs/method.md §3):
     label      x*_k  = tokens[t + k]               valid iff t + k <= T - 1 (masked beyond the end)
     p_t row    hidden[t + k - 1]                   the target's final hidden that predicted t + k
     context    captured[0 .. t-1]                   positions < t only (leakage rule; BlockBatch's

@@ -7,7 +7,7 @@ tokens of the cache's training split: what the drafter will be asked to predict)
 
 Why this stays lossless: the drafter's p_d is zero outside the draft vocabulary and its rows are
 sent over target ids (heads.sample_sequential); the verifier's rejection sampler works on the
-full target vocabulary and is exact for ANY p_d (docs/method.md §Draft vocabulary). What it
+full target vocabulary and is exact for ANY p_d (docs/method.md §6). What it
 costs: the acceptance at a position is at most the target mass inside the vocabulary,
 c* = 1 - TV(p_d, p_t) <= Σ_{v∈D} p_t(v), and at temperature 0 a draft can only match an argmax
 that lies in D. What it saves: the LM head and the Markov head's W2 shrink from V to N columns,

@@ -5,7 +5,7 @@ teacher-forced drafts against the target on sequences it never trained on.
 
 For every block the drafter's distributions p_d_k are compared with the target's p_t_k (from the
 cached final hidden states, as in training): c*_k = 1 - ½‖p_d_k - p_t_k‖₁ is the probability
-that position k survives verification at temperature 1 given the earlier ones did (DSPARK.md §2),
+that position k survives verification at temperature 1 given the earlier ones did (docs/method.md §3),
 and τ = 1 + Σ_k Π_{i≤k} c*_i the expected accepted length of a round, bonus included. It is the
 quantity the offline evaluation measures by sampling (`dspark eval`, T = 1), here without running
 the target, so a run can be judged at every checkpoint in seconds. Every algorithm reports it the

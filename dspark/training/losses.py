@@ -1,4 +1,4 @@
-"""DSpark's training objective (DSPARK.md §3) as pure functions of tensors.
+"""DSpark's training objective (docs/method.md §3) as pure functions of tensors.
 
 Per block, position k = 1..γ (anchor x_0 at absolute position t):
     x*_k   = the token at t + k (what block position k predicts)

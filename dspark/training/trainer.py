@@ -3,7 +3,7 @@
     dspark train --cache C --out RUN --steps 2000 --batch-seqs 8 --anchors-per-seq 64
     dspark train --cache C --out RUN --steps 2000 ... --resume      # continue from RUN's latest checkpoint
 
-Recipe (DSPARK.md §3, DeepSpec): AdamW (no weight decay by default), linear warmup over the first
+Recipe (docs/method.md §3, DeepSpec): AdamW (no weight decay by default), linear warmup over the first
 `warmup` fraction of steps then cosine decay to 0, grad-norm clip 1.0, the DSpark loss
 0.1 CE + 0.9 TV + 1.0 conf with position weights. The target is frozen and only its embedding
 and LM head are needed here (p_t = softmax(LMHead(cached hidden)) on the sampled rows).
@@ -25,7 +25,7 @@ Run directory:
 
 Algorithms plug in through `DrafterAlgorithm` (build a model, compute a loss on a TrainBatch,
 save it), all on the same cache, anchors, target layers and block size (the comparison of
-DSPARK.md §6):
+docs/method.md §9):
     dspark   the DSpark loss above
     dflash   the parallel backbone alone, CE with position weights w_k = exp(-(k-1)/γ_w) (DFlash Eq. 4)
     eagle3   one layer, training-time test over γ steps: Σ_j 0.8^(j-1) · soft CE of step j against

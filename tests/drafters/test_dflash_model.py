@@ -3,7 +3,7 @@
 Tiny random configs (vocab 256, hidden 64, γ = 4) on the CPU. DFlash is DSpark's parallel
 backbone in its original form: its block is [x_0, mask × γ] (γ + 1 inputs) and the γ masks
 predict x_1..x_γ, each from its own softmax. The backbone is checked against the plain
-per-block reference of the DSpark tests (written from DSPARK.md §2-3).
+per-block reference of the DSpark tests (written from docs/method.md §2, §3).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Specification tests of the DSpark drafter: backbone layout, heads, sampling, checkpoint.
 
 Tiny random configs (vocab 256, hidden 64, γ = 4, rank 16) on the CPU; the backbone is checked
-against a plain per-block reference written here from DSPARK.md §2-3 (explicit RoPE, per-head
+against a plain per-block reference written here from docs/method.md §2, §3 (explicit RoPE, per-head
 softmax over [context < t ; block]), the heads against their equations written by hand.
 """
 
@@ -72,7 +72,7 @@ def sample_batch() -> BlockBatch:
     )
 
 
-# ---- a plain reference of one block (DSPARK.md §2-3) --------------------------------------------
+# ---- a plain reference of one block (docs/method.md §2, §3) -------------------------------------
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:

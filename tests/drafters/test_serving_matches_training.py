@@ -89,7 +89,7 @@ def build_dspark_markov(runtime) -> DSparkDrafter:
 
 
 def build_dspark_rnn(runtime) -> DSparkDrafter:
-    """test_dspark_serving's drafter with the RNN head (DSPARK.md Eq. 6) in place of the Markov head."""
+    """test_dspark_serving's drafter with the RNN head (docs/method.md §2, RNN head) in place of the Markov head."""
     config = dataclasses.replace(test_dspark_serving.make_serving_drafter(runtime, seed=1).model.config, head_type="rnn")
     torch.manual_seed(1)
     model = DSparkDrafter(config, shared=SharedWeights.from_target(runtime.model))

@@ -3,7 +3,7 @@ tokenizer (for `dspark up`'s gateway), and the fault ledger.
 
 The ledger collects, per kind of fault a test injected, how many faults, requests and tokens it
 covered and how many tokens were lost or duplicated against plain greedy decoding; the table is
-printed at the end of the run (it is the README's "Fault tolerance" table):
+printed at the end of the run (it is the table of docs/fault-tolerance.md):
 
     .venv/bin/pytest tests/faults -q
 """

@@ -332,7 +332,7 @@ def test_invalid_prefill_counts_raise_value_errors(kwargs, message):
 
 
 def test_the_break_can_stop_in_a_local_optimum_of_a_step_shaped_profile():
-    # The price of losslessness (DSPARK.md section 5): Θ dips at the first admission, so the
+    # The price of losslessness (docs/method.md §5.4): Θ dips at the first admission, so the
     # break stops at ℓ = 0 although ℓ = 2 is better.
     c = np.array([[0.8, 0.9]])
     table = np.array([1.0, 0.5, 0.45])
@@ -394,7 +394,7 @@ def draw(p: np.ndarray, u: float) -> int:
 
 
 def verify(drafts: list[int], target, uniforms) -> list[int]:
-    """Exact rejection sampling (DSPARK.md section 1) of the admitted drafts against
+    """Exact rejection sampling (docs/method.md §1) of the admitted drafts against
     target(prefix) -> p_t row; returns the emitted tokens (accepted + corrected or bonus)."""
     out: list[int] = []
     for x in drafts:
@@ -431,7 +431,7 @@ ROUNDS = 20_000
 
 
 def test_the_papers_counterexample_biases_the_full_search_but_not_the_shipped_scheduler():
-    """DSPARK.md section 5: R = 1, γ = 2, SPS = (1.0, 0.5, 0.45), a_1 = 0.8, p_t = (A .7, B .3),
+    """docs/method.md §5.4: R = 1, γ = 2, SPS = (1.0, 0.5, 0.45), a_1 = 0.8, p_t = (A .7, B .3),
     p_d = (.5, .5), c_2 = 0.9 if x_1 = A else 0. Without the break, x_1 = A gives Θ_2 = 1.134 > 1
     (ℓ = 2, and A is always accepted since p_t(A) > p_d(A)) while x_1 = B gives ℓ = 0 (a plain
     draw): P(A) = .5 + .5 · .7 = .85. With the break Θ_1 = 0.9 < 1 stops at ℓ = 0 every time."""

@@ -1,4 +1,4 @@
-"""The DFlash baseline (DSPARK.md §2, §6): DSpark's parallel backbone in its original form.
+"""The DFlash baseline (docs/method.md §9): DSpark's parallel backbone in its original form.
 
     config.py      DFlashConfig (flat, frozen, JSON with "algo": "dflash", `from_target`, `tiny`)
     model.py       DFlashDrafter: [x_0, mask × γ] -> γ independent distributions, no heads

@@ -1,4 +1,4 @@
-"""The DSpark drafter (DSPARK.md §2): parallel backbone + sequential Markov/RNN head + confidence head.
+"""The DSpark drafter (docs/method.md §2): parallel backbone + sequential Markov/RNN head + confidence head.
 
     config.py      DSparkConfig (flat, frozen, JSON round trip, `from_target`, `tiny`)
     model.py       DSparkDrafter, BlockBatch / DraftBlock, the leakage-rule attention mask

@@ -46,17 +46,17 @@ class DSparkConfig(DrafterConfigBase):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # same meaning as ModelConfig.rope_scaling (llama3 only)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3-style targets)
-    num_layers: int = 2  # a 2-layer DSpark beats a 5-layer DFlash (DSPARK.md §6); ~1/15 of a 30-layer target
+    num_layers: int = 2  # a 2-layer DSpark beats a 5-layer DFlash (docs/method.md §10); ~1/15 of a 30-layer target
     block_size: int = 7  # γ: one anchor in, γ draft tokens out
     # ---- sequential + confidence heads -----------------------------------------------------
-    head_type: str = "markov"  # "markov" (default) | "rnn" (DSPARK.md §2, Eq. 6)
+    head_type: str = "markov"  # "markov" (default) | "rnn" (docs/method.md §2, RNN head)
     markov_rank: int = 256  # r: W1 ∈ R^{V×r}, W2 ∈ R^{r×N}; also the RNN state size
     # N, the draft vocabulary (FR-Spec; EAGLE-3's draft_vocab_size): the LM head and the sequential
     # head's output cover only N target tokens (the checkpoint's `draft_to_target` map, the most
     # frequent tokens of the target's own outputs); p_d is zero elsewhere, the verifier still uses
-    # the full vocabulary (docs/method.md §Draft vocabulary). None = the whole target vocabulary.
+    # the full vocabulary (docs/method.md §6). None = the whole target vocabulary.
     draft_vocab_size: int | None = None
-    # ---- training loss (DSPARK.md §3) ------------------------------------------------------
+    # ---- training loss (docs/method.md §3) -------------------------------------------------
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     conf_weight: float = 1.0

@@ -1,7 +1,7 @@
 """DSpark's sequential stage: the Markov / RNN logit-bias heads, the confidence head, and the
 left-to-right sampler that turns backbone logits into draft tokens with exact rows.
 
-Position k's draft distribution (DSPARK.md §2):
+Position k's draft distribution (docs/method.md §2):
     p_k(v | x_0, x_<k) = softmax_v( U_k(v) + B_k(x_0, x_<k, v) )
 where U_k are the parallel backbone's logits and B_k the head's bias given the previous token.
 - Markov head (default):  B(x_{k-1}, ·) = W1[x_{k-1}] W2,  W1 ∈ R^{V×r}, W2 ∈ R^{r×N}.
@@ -69,7 +69,7 @@ class MarkovHead(nn.Module):
 
 
 class RNNHead(nn.Module):
-    """Gated recurrent bias over the block (DSPARK.md Eq. 6); s_0 = 0.
+    """Gated recurrent bias over the block (docs/method.md §2, RNN head); s_0 = 0.
 
     `joint` is the one linear layer split three ways: output rows [0, r) are W_g, [r, 2r) W_c,
     [2r, 3r) W_o, acting on z = [s_{k-1}; W1[x_{k-1}]; h_k] (in that order)."""

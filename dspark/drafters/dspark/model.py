@@ -6,7 +6,7 @@ KV-injected backbone, shared with the DFlash baseline of dspark.drafters.dflash)
 `DSparkDrafter`, which composes it with the heads of heads.py in two modes: `forward`
 (teacher-forced, training) and `draft` (sampling, serving).
 
-One block (DSPARK.md §2-3), anchor x_0 at absolute position t, γ = block_size:
+One block (docs/method.md §2, §3), anchor x_0 at absolute position t, γ = block_size:
   * context features  H_ctx = RMSNorm(W_c [H(l_1); ...; H(l_m)])  [ctx_len, hidden], from the
     target's layer outputs at positions 0..t-1 (`TargetRuntime.forward(..., capture=True)`);
   * block input       [embed(x_0), embed(mask) × (γ-1)] at positions t, t+1, ..., t+γ-1;

@@ -1,4 +1,4 @@
-"""The EAGLE-3 baseline (DSPARK.md §6): one autoregressive decoder layer over fused target features.
+"""The EAGLE-3 baseline (docs/method.md §9): one autoregressive decoder layer over fused target features.
 
     config.py      Eagle3Config (flat, frozen, JSON with "algo": "eagle3", `from_target`, `tiny`)
     model.py       Eagle3Drafter: fc fusion of the captured target layers, the decoder layer over
