@@ -5,7 +5,8 @@ Links: `[text](target)` in README.md and docs/**/*.md, relative to the file (URL
 anchors skipped). Paths: repository paths such as `docs/results/serving.csv` or
 `dspark/training/heldout.py` named in the same files, relative to the repository root.
 Citations: `docs/method.md §5.4` (also `§2, §3`) anywhere in the sources, scripts, protos,
-manifests and docs; a section is a heading `## §N ...` or `### §N.M ...`.
+manifests and docs; a section is a heading `## §N ...` or `### §N.M ...`. And the README links
+every docs page, so none is an orphan.
 """
 
 from __future__ import annotations
@@ -125,3 +126,10 @@ def test_the_readme_opens_with_the_serve_and_the_test_command():
     assert lines[marker + 2].strip() == "bash scripts/install.sh --test && .venv/bin/python -m pytest -q"
     serve = next(i for i, line in enumerate(lines) if "dspark serve" in line)
     assert serve < marker < 20, "the serve command, then the test command, at the top"
+
+
+def test_the_readme_links_every_docs_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    linked = {(ROOT / t.split("#", 1)[0]).resolve() for t in LINK.findall(readme) if "://" not in t}
+    unlinked = [rel(p) for p in sorted((ROOT / "docs").rglob("*.md")) if p.resolve() not in linked]
+    assert not unlinked, f"README.md links no page of: {unlinked}"
