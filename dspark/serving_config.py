@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from dspark.api_key_hashes import normalize_api_keys
+
 __all__ = [
     "DEFAULT_MODEL_NAME", "DrafterSection", "GatewaySection", "ModelSection", "ObservabilitySection", "RedisSection",
     "RpcSection", "SchedulerSection", "ServingConfig", "VerifierSection",
@@ -176,8 +178,6 @@ class GatewaySection:
 
     def __post_init__(self) -> None:
         if self.api_keys:  # plain keys become hashes here: no plain key is kept (or written out by to_json)
-            from gateway.api_keys import normalize_api_keys
-
             try:
                 hashes = normalize_api_keys(self.api_keys)
             except ValueError as e:

@@ -10,7 +10,8 @@ presented key is hashed before it is compared. The SHA-256 of the presented key 
 with every configured hash by `hmac.compare_digest`, without stopping at a match, so the time
 taken says neither which key matched nor whether one did. (The keys are long random strings, so
 an unsalted fast hash is enough: there is no dictionary to try.) A key is named in logs, metrics
-and rate-limit buckets only by its id, the first 12 hex digits of its hash.
+and rate-limit buckets only by its id, the first 12 hex digits of its hash. The hashing itself
+lives in dspark/api_key_hashes.py, which the configuration uses without importing the gateway.
 """
 
 from __future__ import annotations
@@ -18,53 +19,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from dspark.api_key_hashes import HASH_PREFIX, hash_api_key, normalize_api_keys
+
 __all__ = ["HASH_PREFIX", "LEGACY_ENV", "ApiKeys", "cmd_hash_key", "hash_api_key", "key_id", "normalize_api_keys"]
 
-HASH_PREFIX = "sha256:"
 LEGACY_ENV = "DSPARK_API_KEYS"  # comma-separated keys, read next to gateway.api_keys (DSPARK_GATEWAY_API_KEYS)
-_HASH_RE = re.compile(r"sha256:[0-9a-fA-F]{64}")
 _KEY_ID_HEX = 12
-
-
-def hash_api_key(key: str) -> str:
-    """`sha256:<hex>` of a plain key (its UTF-8 bytes)."""
-    if not key:
-        raise ValueError("an API key must not be empty")
-    return HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
 
 
 def key_id(key_hash: str) -> str:
     """The short name of a key in logs and limits: `key-` + the first 12 hex digits of its hash."""
     return "key-" + key_hash.removeprefix(HASH_PREFIX)[:_KEY_ID_HEX].lower()
-
-
-def normalize_api_keys(entries: str | Iterable[str]) -> tuple[str, ...]:
-    """Comma-separated (or listed) keys as `sha256:<hex>` hashes, in order, without repeats.
-
-    An entry that starts with `sha256:` must be a well-formed hash (a typo must not silently
-    become a plain key that nobody holds); any other non-empty entry is a plain key and is
-    hashed here. Blank entries are skipped."""
-    items = entries.split(",") if isinstance(entries, str) else entries
-    out: list[str] = []
-    for raw in items:
-        entry = raw.strip()
-        if not entry:
-            continue
-        if entry.lower().startswith(HASH_PREFIX):
-            if not _HASH_RE.fullmatch(entry):
-                raise ValueError(f"an API key entry starts with sha256: but is not 64 hex digits after it (it has "
-                                 f"{len(entry) - len(HASH_PREFIX)} characters); `dspark hash-key` prints a hash")
-            entry = entry.lower()
-        else:
-            entry = hash_api_key(entry)
-        if entry not in out:
-            out.append(entry)
-    return tuple(out)
 
 
 @dataclass(frozen=True)
