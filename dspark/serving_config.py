@@ -4,10 +4,12 @@
     config.verifier.address                             # what the scheduler dials
     config.verifier.bind                                # what the verifier listens on
 
-Precedence, lowest first: the defaults below; a JSON (`.json`) or TOML (`.toml`) file of
-`{section: {key: value}}` (path given, else $DSPARK_CONFIG, else none); environment variables
-`DSPARK_<SECTION>_<KEY>` (e.g. `DSPARK_VERIFIER_PORT=6000`, `DSPARK_SCHEDULER_POLICY=dspark`);
-then explicit overrides (command-line flags). Unknown sections or keys in a file, and unknown keys
+Precedence, lowest first: the defaults below; the command's own defaults, where it has some
+(dspark/command_config.py); a JSON (`.json`) or TOML (`.toml`) file of `{section: {key: value}}`
+(path given, else $DSPARK_CONFIG, else none); environment variables `DSPARK_<SECTION>_<KEY>`
+(e.g. `DSPARK_VERIFIER_PORT=6000`, `DSPARK_SCHEDULER_POLICY=dspark`); then explicit overrides
+(the command-line flags given). Every `dspark` command resolves its configuration this one way
+(dspark/command_config.py). Unknown sections or keys in a file, and unknown keys
 of a known section in the environment, are errors that name them (a typo must not be ignored);
 environment variables of other sections (DSPARK_CACHE_DIR, ...) are not ours and are left alone.
 
@@ -45,6 +47,7 @@ __all__ = [
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # dspark.model.model_store.DEFAULT_MODEL (not imported: it pulls in torch)
 ENV_PREFIX = "DSPARK_"
 CONFIG_PATH_ENV = "DSPARK_CONFIG"
+LEGACY_API_KEYS_ENV = "DSPARK_API_KEYS"  # the older name of gateway.api_keys: its keys are accepted too
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 SECRET = {"secret": True}  # field metadata: a key given from a secret store (k8s Secret), never printed by repr
 MIN_TOKEN_CHARS = 16
@@ -277,17 +280,30 @@ class ServingConfig:
         path: str | Path | None = None,
         *,
         env: Mapping[str, str] | None = None,
+        command_defaults: Mapping[str, Mapping[str, Any]] | None = None,
         overrides: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> ServingConfig:
-        """Defaults <- file (`path`, else $DSPARK_CONFIG) <- environment <- `overrides`."""
+        """Defaults <- `command_defaults` <- file (`path`, else $DSPARK_CONFIG) <- environment <-
+        `overrides` (a command's flags). dspark/command_config.py calls it for every command.
+
+        Two rules beyond the layers: the keys of DSPARK_API_KEYS (the older variable) are added to
+        gateway.api_keys as the file and DSPARK_GATEWAY_API_KEYS give it, and overrides replace
+        both; with drafter.name = none and no scheduler.policy given (by file, environment or
+        overrides) the policy is none: there are no drafts to schedule, and the default policy
+        would refuse a drafter without confidences."""
         env = os.environ if env is None else env
-        config = cls()
         path = path if path is not None else env.get(CONFIG_PATH_ENV) or None
-        if path is not None:
-            config = config.updated(_read_file(Path(path)), source=str(path))
-        config = config.updated(_from_env(env), source="environment")
-        if overrides:
-            config = config.updated(overrides, source="overrides")
+        from_file = _read_file(Path(path)) if path is not None else {}
+        from_env, overrides = _from_env(env), overrides or {}
+        config = cls().updated(command_defaults or {}, source="the command's defaults")
+        config = config.updated(from_file, source=str(path)).updated(from_env, source="environment")
+        if env.get(LEGACY_API_KEYS_ENV, "").strip():
+            config = config.updated({"gateway": {"api_keys": f"{config.gateway.api_keys},{env[LEGACY_API_KEYS_ENV]}"}},
+                                    source=LEGACY_API_KEYS_ENV)
+        config = config.updated(overrides, source="overrides")
+        if config.drafter.name == "none" and not any("policy" in given.get("scheduler", {})
+                                                     for given in (from_file, from_env, overrides)):
+            config = replace(config, scheduler=replace(config.scheduler, policy="none"))
         return config
 
     def updated(self, values: Mapping[str, Mapping[str, Any]], *, source: str = "overrides") -> ServingConfig:

@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dspark.api_key_hashes import HASH_PREFIX, hash_api_key, normalize_api_keys
 
-__all__ = ["HASH_PREFIX", "LEGACY_ENV", "ApiKeys", "cmd_hash_key", "hash_api_key", "key_id", "normalize_api_keys"]
+__all__ = ["HASH_PREFIX", "ApiKeys", "cmd_hash_key", "hash_api_key", "key_id", "normalize_api_keys"]
 
-LEGACY_ENV = "DSPARK_API_KEYS"  # comma-separated keys, read next to gateway.api_keys (DSPARK_GATEWAY_API_KEYS)
 _KEY_ID_HEX = 12
 
 
@@ -47,12 +45,6 @@ class ApiKeys:
     def from_entries(cls, entries: str | Iterable[str]) -> ApiKeys:
         hashes = normalize_api_keys(entries)
         return cls(digests=tuple(bytes.fromhex(h.removeprefix(HASH_PREFIX)) for h in hashes), ids=tuple(key_id(h) for h in hashes))
-
-    @classmethod
-    def from_config(cls, configured: str, *, env: Mapping[str, str] | None = None) -> ApiKeys:
-        """`gateway.api_keys` plus the keys of DSPARK_API_KEYS (the older name, still read)."""
-        env = os.environ if env is None else env
-        return cls.from_entries(f"{configured},{env.get(LEGACY_ENV, '')}")
 
     def __bool__(self) -> bool:
         return bool(self.digests)

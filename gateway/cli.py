@@ -9,7 +9,9 @@ A gateway replica is stateless: it loads only the tokenizer and the model's conf
 window, vocabulary size), never the weights, and talks to the schedulers through the Redis bus
 (dspark/bus/redis_bus.py); the schedulers run `dspark.bus.worker.run_worker` on their engines.
 Any number of replicas can serve the same bus prefix behind a load balancer; a streamed response
-can be resumed on any of them (SSE Last-Event-ID).
+can be resumed on any of them (SSE Last-Event-ID). Configuration as every command's
+(dspark/command_config.py): --config file, DSPARK_<SECTION>_<KEY>, then the flags given; the
+Redis URL, the model, the gateway's host, port, keys and limits are all keys of it.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 from collections.abc import Iterable
 
 from fastapi import FastAPI
 
+from dspark.command_config import add_config_arguments, add_config_flag, command_config
+from dspark.serving_config import ServingConfig
 from gateway.api_keys import ApiKeys, cmd_hash_key
 from gateway.rate_limit import RateLimits, RedisRateLimiter
 
@@ -29,7 +32,8 @@ __all__ = ["add_gateway_parser", "build_gateway_app", "cmd_gateway"]
 
 log = logging.getLogger(__name__)
 
-REDIS_URL_ENV = "DSPARK_REDIS_URL"
+# the gateway needs a bus: without a configured redis.url ("" = in-memory, one process) it dials
+# the local Redis (a command default of `dspark gateway`, below the file and the environment)
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -80,84 +84,68 @@ def build_gateway_app(
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = command_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", flush=True)
+        return 2
+    return run_gateway(config, args)
+
+
+def run_gateway(config: ServingConfig, args: argparse.Namespace) -> int:
+    """`dspark gateway` with its resolved configuration; `args` gives only what is no key of it
+    (the bus prefix and queue, the accept timeout, the log level)."""
     import uvicorn
 
     from dspark.observability.tracing import setup_tracing
-    from dspark.serving_config import ServingConfig
     from gateway.connection_limits import uvicorn_config
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = with_config_defaults(args)
+    g = config.gateway
     try:
-        # connection and request limits, API keys: the config file and DSPARK_GATEWAY_* variables; flags override
-        limits = ServingConfig.load(args.config).gateway
-        setup_tracing(ServingConfig.load(args.config).observability, service="gateway")  # OTLP if configured
-        keys = ApiKeys.from_entries(args.api_key) if args.api_key else ApiKeys.from_config(limits.api_keys)
-        rate_limits = RateLimits(requests_per_minute=_given(args.requests_per_minute, limits.requests_per_minute),
-                                 burst=_given(args.burst, limits.burst),
-                                 max_concurrent=_given(args.max_concurrent_requests, limits.max_concurrent_requests))
+        setup_tracing(config.observability, service="gateway")  # OTLP if configured
+        keys = ApiKeys.from_entries(g.api_keys)
+        rate_limits = RateLimits(requests_per_minute=g.requests_per_minute, burst=g.burst,
+                                 max_concurrent=g.max_concurrent_requests)
         app = build_gateway_app(
-            redis_url=args.redis, model=args.model, model_name=args.served_model_name, max_model_len=args.max_model_len,
-            prefix=args.bus_prefix, max_queue=args.max_queue, api_keys=keys, rate_limits=rate_limits,
-            max_tokens_limit=_given(args.max_tokens_limit, limits.max_tokens_limit),
-            max_body_bytes=_given(args.max_body_bytes, limits.max_body_bytes),
-            max_prompt_tokens=_given(args.max_prompt_tokens, limits.max_prompt_tokens) or None,
-            accept_timeout_s=args.accept_timeout,
+            redis_url=config.redis.url, model=config.model.name, model_name=g.model_name or None,
+            max_model_len=config.model.max_model_len or None, prefix=args.bus_prefix, max_queue=args.max_queue, api_keys=keys,
+            rate_limits=rate_limits, max_tokens_limit=g.max_tokens_limit, max_body_bytes=g.max_body_bytes,
+            max_prompt_tokens=g.max_prompt_tokens or None, accept_timeout_s=args.accept_timeout,
         )
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", flush=True)
         return 2
-    log.info("gateway for %s on http://%s:%d/v1 over %s (prefix %r%s; %s)", args.model, args.host, args.port, args.redis,
+    log.info("gateway for %s on http://%s:%d/v1 over %s (prefix %r%s; %s)", config.model.name, g.host, g.port, config.redis.url,
              args.bus_prefix, f", {len(keys.ids)} API keys required" if keys else "", rate_limits.describe())
-    uvicorn.Server(uvicorn_config(app, limits=limits, host=args.host, port=args.port, log_level=args.log_level)).run()
+    uvicorn.Server(uvicorn_config(app, limits=g, host=g.host, port=g.port, log_level=args.log_level)).run()
     return 0
-
-
-def _given(flag, configured):
-    """A flag's value if it was given, else the configuration's."""
-    return configured if flag is None else flag
-
-
-def with_config_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """`args` with --model, --host and --port, where not given, set to their serving-config defaults
-    (dspark/serving_config.py: the one source of them; the limits fall back to the loaded config)."""
-    from dspark.serving_config import ServingConfig
-
-    defaults = ServingConfig()
-    return argparse.Namespace(**{**vars(args), "model": _given(args.model, defaults.model.name),
-                                 "host": _given(args.host, defaults.gateway.host), "port": _given(args.port, defaults.gateway.port)})
 
 
 def add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     """Register `dspark gateway` and `dspark hash-key` on the CLI's subparsers."""
-    from dspark.serving_config import ServingConfig
-
-    defaults = ServingConfig()
     g = sub.add_parser("gateway", help="the OpenAI-compatible gateway alone, over the Redis bus (distributed mode)")
-    g.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
-                   help=f"Redis URL of the bus (env {REDIS_URL_ENV}; default {DEFAULT_REDIS_URL})")
+    add_config_arguments(g, command_defaults={"redis": {"url": DEFAULT_REDIS_URL}})
+    add_config_flag(g, "--redis", key="redis.url", help="Redis URL of the bus")
     g.add_argument("--bus-prefix", default="dspark", help="key prefix of the bus in Redis (one per deployment)")
-    g.add_argument("--model", default=None,
-                   help="default model name or a local HF directory, tokenizer + config (default: model.name, "
-                        f"{defaults.model.name})")
-    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model's name)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model config's)")
-    g.add_argument("--host", default=None, help=f"interface to listen on (default: gateway.host, {defaults.gateway.host})")
-    g.add_argument("--port", type=int, default=None, help=f"port to listen on (default: gateway.port, {defaults.gateway.port})")
-    g.add_argument("--config", default=None, help="serving configuration file, for the gateway section (default: $DSPARK_CONFIG)")
-    g.add_argument("--api-key", action="append", default=None,
-                   help="accepted API key or its sha256:<hex> hash (repeatable; default: config gateway.api_keys "
-                        "= env DSPARK_GATEWAY_API_KEYS, and DSPARK_API_KEYS; none: no auth)")
-    g.add_argument("--requests-per-minute", type=int, default=None, help="per API key (per address without keys); 0: no limit "
-                                                                         "(config: gateway.requests_per_minute)")
-    g.add_argument("--burst", type=int, default=None, help="requests at once before the rate applies (config: gateway.burst)")
-    g.add_argument("--max-concurrent-requests", type=int, default=None,
-                   help="per API key (per address without keys) in flight; 0: no limit (config: gateway.max_concurrent_requests)")
-    g.add_argument("--max-tokens-limit", type=int, default=None,
-                   help="largest max_tokens a request may ask for (config: gateway.max_tokens_limit)")
-    g.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="longest prompt in tokens (config: gateway.max_prompt_tokens; default: context - 1)")
-    g.add_argument("--max-body-bytes", type=int, default=None, help="largest request body (config: gateway.max_body_bytes)")
+    add_config_flag(g, "--model", key="model.name", help="default model name or a local HF directory, tokenizer + config")
+    add_config_flag(g, "--served-model-name", key="gateway.model_name", help="the model id clients send; '' = the model's name")
+    add_config_flag(g, "--max-model-len", key="model.max_model_len", type=int, help="context window; 0 = the model config's")
+    add_config_flag(g, "--host", key="gateway.host", help="interface to listen on")
+    add_config_flag(g, "--port", key="gateway.port", type=int, help="port to listen on")
+    add_config_flag(g, "--api-key", key="gateway.api_keys", action="append",
+                    help="accepted API key or its sha256:<hex> hash, repeatable, instead of the configured ones "
+                         "(DSPARK_GATEWAY_API_KEYS and DSPARK_API_KEYS); none: no auth")
+    add_config_flag(g, "--requests-per-minute", key="gateway.requests_per_minute", type=int,
+                    help="per API key (per address without keys); 0: no limit")
+    add_config_flag(g, "--burst", key="gateway.burst", type=int, help="requests at once before the rate applies")
+    add_config_flag(g, "--max-concurrent-requests", key="gateway.max_concurrent_requests", type=int,
+                    help="per API key (per address without keys) in flight; 0: no limit")
+    add_config_flag(g, "--max-tokens-limit", key="gateway.max_tokens_limit", type=int,
+                    help="largest max_tokens a request may ask for")
+    add_config_flag(g, "--max-prompt-tokens", key="gateway.max_prompt_tokens", type=int,
+                    help="longest prompt in tokens; 0: context - 1")
+    add_config_flag(g, "--max-body-bytes", key="gateway.max_body_bytes", type=int, help="largest request body")
     g.add_argument("--max-queue", type=int, default=10_000, help="requests waiting or running on the bus before 503")
     g.add_argument("--accept-timeout", type=float, default=None,
                    help="seconds a request may wait for a scheduler to accept it (default: no limit)")

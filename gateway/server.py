@@ -9,7 +9,7 @@ in-memory bus, and the bus worker (dspark/bus/worker.py) on its own thread feedi
 in-process AsyncEngine. Start-up order: load the target and tokenizer, build the drafter and the
 engine, run one short generation so the first client does not pay for lazy initialisation,
 start the engine thread and the worker, then accept connections. Shutdown stops uvicorn first,
-then the worker, then the engine thread. API keys (gateway.api_keys = DSPARK_GATEWAY_API_KEYS, or
+then the worker, then the engine thread. API keys (gateway.api_keys: DSPARK_GATEWAY_API_KEYS and
 DSPARK_API_KEYS), request limits per client (in memory here) and connection limits (floods, slow
 clients): the gateway section of the serving configuration, applied by gateway/guard.py and
 gateway/connection_limits.py.
@@ -18,7 +18,6 @@ gateway/connection_limits.py.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,25 +38,17 @@ from dspark.observability.tracing import setup_tracing
 from dspark.profiling.sps import profile_sps
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import parse_policy
-from dspark.serving_config import GatewaySection, ServingConfig
+from dspark.serving_config import GatewaySection, ObservabilitySection, ServingConfig
 from gateway.api_keys import ApiKeys
 from gateway.app import create_app
 from gateway.connection_limits import uvicorn_config
 from gateway.rate_limit import MemoryRateLimiter, RateLimits
 
-__all__ = ["EmbeddedGateway", "api_keys_from_env", "build_engine", "embedded_gateway", "serve", "served_model_name", "warm_up"]
+__all__ = ["EmbeddedGateway", "build_engine", "embedded_gateway", "serve", "served_model_name", "warm_up"]
 
 log = logging.getLogger(__name__)
 
 DEFAULTS = ServingConfig()  # the serving defaults live in dspark/serving_config.py
-
-
-API_KEYS_ENV = "DSPARK_API_KEYS"
-
-
-def api_keys_from_env() -> tuple[str, ...]:
-    """API keys from DSPARK_API_KEYS (comma-separated); none means no authentication."""
-    return tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip())
 
 
 def served_model_name(model: str) -> str:
@@ -85,6 +76,8 @@ def build_engine(
     sps_max_batch: int = DEFAULTS.verifier.sps_max_batch,
     drafter_path: str | None = None,
     policy: str | None = None,
+    drafter_top_k: int = DEFAULTS.drafter.top_k,
+    sampler_backend: str = DEFAULTS.verifier.sampler_backend,
 ) -> tuple[AsyncEngine, Tokenizer]:
     """Load, warm up, profile SPS(B) and start: an AsyncEngine ready for requests, and the
     target's tokenizer. `sps_max_batch=0` skips the profile (a few seconds on this CPU)."""
@@ -93,8 +86,8 @@ def build_engine(
     policy_obj = parse_policy(policy) if policy else None
     if policy_obj is not None and policy_obj.needs_sps_profile and sps_max_batch <= 0:
         raise ValueError(f"policy {policy!r} needs the SPS(B) profile: set sps_max_batch > 0")
-    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path),
-                               num_speculative_tokens=gamma, policy=policy_obj)
+    engine = SpeculativeEngine(runtime, make_drafter(drafter, runtime=runtime, path=drafter_path, top_k=drafter_top_k),
+                               num_speculative_tokens=gamma, policy=policy_obj, sampler_backend=sampler_backend)
     log.info("warm-up took %.2f s", warm_up(engine, tokenizer))
     if sps_max_batch > 0:
         t0 = time.perf_counter()
@@ -154,20 +147,25 @@ def serve(
     log_level: str = "info",
     sps_max_batch: int = DEFAULTS.verifier.sps_max_batch,  # SPS(B) profile at start-up up to this batch; 0 skips it
     drafter_path: str | None = None,  # checkpoint directory of a trained drafter (dspark)
+    drafter_top_k: int = DEFAULTS.drafter.top_k,  # truncate the drafter's rows to its top k; 0 = full rows
     policy: str | None = None,  # parse_policy form; None = all γ drafts every round
-    api_keys: Iterable[str] | None = None,  # None: gateway.api_keys of `limits` and DSPARK_API_KEYS
-    limits: GatewaySection | None = None,  # connection and request limits; None: ServingConfig.load() (file, DSPARK_GATEWAY_*)
+    sampler_backend: str = DEFAULTS.verifier.sampler_backend,
+    api_keys: Iterable[str] | None = None,  # None: gateway.api_keys of `limits`
+    # connection and request limits, API keys; tracing. `dspark serve` passes its resolved
+    # configuration's (dspark/command_config.py); this function reads no file or variable itself.
+    limits: GatewaySection = DEFAULTS.gateway,
+    observability: ObservabilitySection = DEFAULTS.observability,
 ) -> None:
     if drafter not in DRAFTERS:  # fail on a bad name before loading anything
         raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
     target = target or TargetConfig(model=model)
-    limits = limits or ServingConfig.load().gateway
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    setup_tracing(ServingConfig.load().observability, service="serve")  # off unless an OTLP endpoint is configured
+    setup_tracing(observability, service="serve")  # off unless an OTLP endpoint is configured
     engine, tokenizer = build_engine(target, drafter=drafter, gamma=gamma, sps_max_batch=sps_max_batch,
-                                     drafter_path=drafter_path, policy=policy)
+                                     drafter_path=drafter_path, policy=policy, drafter_top_k=drafter_top_k,
+                                     sampler_backend=sampler_backend)
     name = model_name or served_model_name(target.model)
-    keys = ApiKeys.from_config(limits.api_keys) if api_keys is None else ApiKeys.from_entries(api_keys)
+    keys = ApiKeys.from_entries(limits.api_keys if api_keys is None else api_keys)
     rate_limits = RateLimits(requests_per_minute=limits.requests_per_minute, burst=limits.burst,
                              max_concurrent=limits.max_concurrent_requests)
     gateway = embedded_gateway(engine, tokenizer, model_name=name, api_keys=keys, max_tokens_limit=max_tokens_limit,

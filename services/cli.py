@@ -6,8 +6,8 @@
     dspark up --drafter ngram                    # all of them on this machine, one process each
     dspark up --redis redis://127.0.0.1:6379/0   # ... plus the bus worker and the HTTP gateway
 
-Configuration (dspark/serving_config.py): defaults <- `--config FILE` (or $DSPARK_CONFIG) <-
-DSPARK_<SECTION>_<KEY> environment variables <- the flags below (only those given).
+Configuration (dspark/command_config.py, as for every command): defaults <- `--config FILE` (or
+$DSPARK_CONFIG) <- DSPARK_<SECTION>_<KEY> environment variables <- the flags below (only those given).
 
 `dspark up` writes the resolved configuration (with a random rpc.auth_token for the internal
 calls unless one is configured) to a temporary file only it can read, starts the verifier and the
@@ -34,64 +34,37 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+from dspark.command_config import add_config_arguments, add_config_flag, command_config
+from dspark.serving_config import ServingConfig
 from services.healthcheck import add_healthcheck_arguments
 from services.supervisor import Child, Supervisor
 
-__all__ = ["add_service_parsers", "cmd_drafter", "cmd_scheduler", "cmd_up", "cmd_verifier", "config_from_args"]
+__all__ = ["add_service_parsers", "cmd_drafter", "cmd_scheduler", "cmd_up", "cmd_verifier", "run_up"]
 
 log = logging.getLogger("dspark.up")
 
 
-# ---- configuration from flags -------------------------------------------------------------------
-
-# flag dest -> (section, key); a flag left at None does not override the configuration
-_FLAG_KEYS = {
-    "host": None, "port": None,  # the command's own section
-    "model": ("model", "name"), "dtype": ("model", "dtype"), "kv_budget_mb": ("model", "kv_budget_mb"),
-    "max_model_len": ("model", "max_model_len"),
-    "drafter": ("drafter", "name"), "drafter_path": ("drafter", "path"), "drafter_top_k": ("drafter", "top_k"),
-    "drafter_address": ("drafter", "address"), "verifier_address": ("verifier", "address"),
-    "sps_max_batch": ("verifier", "sps_max_batch"), "sampler_backend": ("verifier", "sampler_backend"),
-    "gamma": ("scheduler", "gamma"), "policy": ("scheduler", "policy"),
-    "redis": ("redis", "url"), "gateway_port": ("gateway", "port"),
-}
+# ---- flags -------------------------------------------------------------------------------------
 
 
-def config_from_args(args: argparse.Namespace, section: str | None):
-    """The ServingConfig for a parsed command line: `--config` file, environment, then the flags
-    given (`--host` / `--port` apply to `section`, the command's own service)."""
-    from dspark.serving_config import ServingConfig
-
-    overrides: dict[str, dict] = {}
-    for dest, target in _FLAG_KEYS.items():
-        value = getattr(args, dest, None)
-        if value is None:
-            continue
-        if target is None:
-            if section is None:
-                continue
-            target = (section, dest)
-        overrides.setdefault(target[0], {})[target[1]] = value
-    return ServingConfig.load(args.config, overrides=overrides)
-
-
-def _add_common(p: argparse.ArgumentParser, *, own_endpoint: bool = True) -> None:
-    p.add_argument("--config", default=None, help="JSON or TOML file of {section: {key: value}} (default: $DSPARK_CONFIG)")
-    if own_endpoint:
-        p.add_argument("--host", default=None, help="interface to listen on (config: <service>.host)")
-        p.add_argument("--port", type=int, default=None, help="port to listen on (config: <service>.port)")
+def _add_common(p: argparse.ArgumentParser, section: str | None) -> None:
+    """--config, the flags of `section`'s own endpoint (None: none), --log-level."""
+    add_config_arguments(p)
+    if section is not None:
+        add_config_flag(p, "--host", key=f"{section}.host", help="interface to listen on")
+        add_config_flag(p, "--port", key=f"{section}.port", type=int, help="port to listen on")
     p.add_argument("--log-level", default="info")
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="default model name or a local HF Llama/Qwen directory (config: model.name)")
-    p.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float32"],
-                   help="compute dtype of the linear layers (config: model.dtype; auto: bf16 where the hardware has it)")
+    add_config_flag(p, "--model", key="model.name", help="default model name or a local HF Llama/Qwen directory")
+    add_config_flag(p, "--dtype", key="model.dtype", choices=["auto", "bfloat16", "float32"],
+                    help="compute dtype of the linear layers (auto: bf16 where the hardware has it)")
 
 
 def _add_drafter(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default=None, help="drafter to host: none | ngram | dspark | ... (config: drafter.name)")
-    p.add_argument("--drafter-path", default=None, help="checkpoint directory of a trained drafter (config: drafter.path)")
+    add_config_flag(p, "--drafter", key="drafter.name", help="drafter to host: none | ngram | dspark | ...")
+    add_config_flag(p, "--drafter-path", key="drafter.path", help="checkpoint directory of a trained drafter")
 
 
 def _run(args: argparse.Namespace, section: str | None, serve) -> int:
@@ -101,7 +74,7 @@ def _run(args: argparse.Namespace, section: str | None, serve) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = config_from_args(args, section)
+        config = command_config(args)
         setup_tracing(config.observability, service=section or "up")  # OTLP if configured (dspark/observability)
         serve(config)
     except (ValueError, FileNotFoundError) as e:
@@ -155,22 +128,13 @@ def _with_internal_token(config):
     return config.updated({"rpc": {"auth_token": generate_token()}})
 
 
-def _gateway_command(config, config_path: Path | None = None) -> list[str] | None:
+def _gateway_command(config, config_path: Path, log_level: str) -> list[str] | None:
     """How `up` starts the HTTP gateway: over the Redis bus (gateway/cli.py), if a Redis URL is
     configured; None otherwise (then clients use the scheduler's gRPC API, or `dspark serve`).
-    The gateway reads its keys and limits from `config_path` (the file the children share)."""
+    Like the services, the gateway reads all of `config` from `config_path`, the file they share."""
     if not config.redis.url:
         return None
-    g = config.gateway
-    cmd = [sys.executable, "-m", "dspark.cli", "gateway", "--redis", config.redis.url, "--model", config.model.name,
-           "--host", g.host, "--port", str(g.port), "--max-tokens-limit", str(g.max_tokens_limit)]
-    if config.model.max_model_len:
-        cmd += ["--max-model-len", str(config.model.max_model_len)]
-    if g.model_name:
-        cmd += ["--served-model-name", g.model_name]
-    if config_path is not None:
-        cmd += ["--config", str(config_path)]
-    return cmd
+    return [sys.executable, "-m", "dspark.cli", "gateway", "--config", str(config_path), "--log-level", log_level]
 
 
 def _wait_http(host: str, port: int, *, timeout: float, alive) -> None:
@@ -219,14 +183,24 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = command_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return run_up(config, log_level=args.log_level)
+
+
+def run_up(config: ServingConfig, *, log_level: str) -> int:
+    """`dspark up` with its resolved configuration (module docstring); the children read it from
+    a file, with none of our DSPARK_<SECTION>_<KEY> variables."""
     from dspark.protos import DRAFTER_SERVICE, SCHEDULER_SERVICE, VERIFIER_SERVICE
-    from dspark.serving_config import ServingConfig
     from services.grpc_common import wait_until_serving
     from services.grpc_tls import load_tls
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = _with_internal_token(config_from_args(args, None))
+        config = _with_internal_token(config)
         zero = [s for s in ("verifier", "drafter", "scheduler", "gateway") if getattr(config, s).port == 0]
         if zero:
             raise ValueError(f"`dspark up` needs fixed ports (the services dial each other), got port 0 for {zero}")
@@ -247,7 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         start = supervisor.start
 
         def service(name: str) -> list[str]:
-            return [sys.executable, "-m", "dspark.cli", name, "--config", str(path), "--log-level", args.log_level]
+            return [sys.executable, "-m", "dspark.cli", name, "--config", str(path), "--log-level", log_level]
 
         timeout = config.rpc.startup_timeout_s
         try:
@@ -260,7 +234,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             scheduler = start("scheduler", service("scheduler"))
             wait_until_serving(config.scheduler.dial, SCHEDULER_SERVICE, timeout=timeout, alive=lambda: scheduler.poll() is None,
                                tls=tls)
-            gateway_cmd = _gateway_command(config, path)
+            gateway_cmd = _gateway_command(config, path, log_level)
             if gateway_cmd is not None:
                 gateway = start("gateway", gateway_cmd)
                 _wait_http(config.gateway.host, config.gateway.port, timeout=timeout, alive=lambda: gateway.poll() is None)
@@ -289,42 +263,45 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     """Register `dspark verifier | drafter | scheduler | up | healthcheck` on the CLI's subparsers
     (`dspark healthcheck` itself runs without them: dspark/cli.py's main, services/healthcheck.py)."""
     v = sub.add_parser("verifier", help="gRPC verifier service: target model, KV caches, rejection sampler, SPS(B)")
-    _add_common(v)
+    _add_common(v, "verifier")
     _add_model(v)
     _add_drafter(v)  # which layers to capture follows from the drafter the deployment uses
-    v.add_argument("--kv-budget-mb", type=int, default=None, help="memory for all requests' KV caches (config: model.kv_budget_mb)")
-    v.add_argument("--max-model-len", type=int, default=None, help="context window (config: model.max_model_len; 0 = the model's)")
-    v.add_argument("--sps-max-batch", type=int, default=None, help="profile SPS(B) at start-up up to this B; 0 skips it")
-    v.add_argument("--sampler-backend", default=None, choices=["auto", "torch", "triton"])
+    add_config_flag(v, "--kv-budget-mb", key="model.kv_budget_mb", type=int, help="memory for all requests' KV caches")
+    add_config_flag(v, "--max-model-len", key="model.max_model_len", type=int, help="context window; 0 = the model's")
+    add_config_flag(v, "--sps-max-batch", key="verifier.sps_max_batch", type=int,
+                    help="profile SPS(B) at start-up up to this B; 0 skips it")
+    add_config_flag(v, "--sampler-backend", key="verifier.sampler_backend", choices=["auto", "torch", "triton"])
     v.set_defaults(func=cmd_verifier)
 
     d = sub.add_parser("drafter", help="gRPC drafter service: hosts a drafter, keeps each request's context features")
-    _add_common(d)
+    _add_common(d, "drafter")
     _add_model(d)
     _add_drafter(d)
-    d.add_argument("--drafter-top-k", type=int, default=None, help="truncate draft rows to the top k (sparse on the wire); 0 = full")
+    add_config_flag(d, "--drafter-top-k", key="drafter.top_k", type=int,
+                    help="truncate draft rows to the top k (sparse on the wire); 0 = full")
     d.set_defaults(func=cmd_drafter)
 
     s = sub.add_parser("scheduler", help="gRPC scheduler service: the round loop over the verifier and drafter services")
-    _add_common(s)
-    s.add_argument("--verifier-address", default=None, help="host:port of the verifier (config: verifier.address)")
-    s.add_argument("--drafter-address", default=None, help="host:port of the drafter (config: drafter.address)")
-    s.add_argument("--drafter", default=None, help="drafter name; 'none' = plain decoding, no drafter service needed")
-    s.add_argument("--gamma", type=int, default=None, help="draft tokens per round (config: scheduler.gamma)")
-    s.add_argument("--policy", default=None, help="none | fixed:K | threshold:C | dspark | dspark-async (config: scheduler.policy)")
-    s.add_argument("--redis", default=None, help="Redis URL: also serve the gateways' requests from the bus (config: redis.url)")
+    _add_common(s, "scheduler")
+    add_config_flag(s, "--verifier-address", key="verifier.address", help="host:port of the verifier; '' = its host:port")
+    add_config_flag(s, "--drafter-address", key="drafter.address", help="host:port of the drafter; '' = its host:port")
+    add_config_flag(s, "--drafter", key="drafter.name", help="drafter name; 'none' = plain decoding, no drafter service needed")
+    add_config_flag(s, "--gamma", key="scheduler.gamma", type=int, help="draft tokens per round")
+    add_config_flag(s, "--policy", key="scheduler.policy", help="none | fixed:K | threshold:C | dspark | dspark-async")
+    add_config_flag(s, "--redis", key="redis.url", help="Redis URL: also serve the gateways' requests from the bus")
     s.set_defaults(func=cmd_scheduler)
 
     u = sub.add_parser("up", help="start verifier, drafter, scheduler (and gateway with --redis) as processes on this machine")
-    _add_common(u, own_endpoint=False)
+    _add_common(u, None)
     _add_model(u)
     _add_drafter(u)
-    u.add_argument("--kv-budget-mb", type=int, default=None)
-    u.add_argument("--sps-max-batch", type=int, default=None, help="the verifier's SPS(B) profile up to this B; 0 skips it")
-    u.add_argument("--gamma", type=int, default=None)
-    u.add_argument("--policy", default=None)
-    u.add_argument("--redis", default=None, help="Redis URL of the bus: also starts the HTTP gateway (config: redis.url)")
-    u.add_argument("--gateway-port", type=int, default=None)
+    add_config_flag(u, "--kv-budget-mb", key="model.kv_budget_mb", type=int)
+    add_config_flag(u, "--sps-max-batch", key="verifier.sps_max_batch", type=int,
+                    help="the verifier's SPS(B) profile up to this B; 0 skips it")
+    add_config_flag(u, "--gamma", key="scheduler.gamma", type=int)
+    add_config_flag(u, "--policy", key="scheduler.policy")
+    add_config_flag(u, "--redis", key="redis.url", help="Redis URL of the bus: also starts the HTTP gateway")
+    add_config_flag(u, "--gateway-port", key="gateway.port", type=int)
     u.set_defaults(func=cmd_up)
 
     h = sub.add_parser("healthcheck", help="one grpc.health.v1 Check with the services' TLS configuration: exit 0 when SERVING "

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dspark.command_config import add_config_arguments, command_config
 from services.grpc_tls import TlsConfigError, TlsCredentials, load_tls, open_channel
 
 __all__ = ["HealthCheck", "add_healthcheck_arguments", "check_once", "cmd_healthcheck", "healthcheck_main", "healthcheck_parser"]
@@ -102,20 +103,17 @@ def add_healthcheck_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server-name", default="",
                    help="under mutual TLS: the name the server's certificate must carry, when not the target's host "
                         "(a probe dials 127.0.0.1, the certificate names `verifier`)")
-    p.add_argument("--config", default=None, help="JSON or TOML file of {section: {key: value}} (default: $DSPARK_CONFIG); "
-                                                  "rpc.tls_* from it and DSPARK_RPC_TLS_*")
+    add_config_arguments(p)  # rpc.tls_* from the file and DSPARK_RPC_TLS_*, as the services read them
     p.set_defaults(func=cmd_healthcheck)
 
 
 def cmd_healthcheck(args: argparse.Namespace) -> int:
     """Exit status 0 when SERVING, 1 otherwise (with the reason on stderr)."""
-    from dspark.serving_config import ServingConfig
-
     if args.timeout <= 0:
         print(f"error: --timeout must be > 0 seconds, got {args.timeout:g}", file=sys.stderr)
         return 1
     try:
-        tls = load_tls(ServingConfig.load(args.config).rpc)
+        tls = load_tls(command_config(args).rpc)
     except (TlsConfigError, ValueError, FileNotFoundError) as e:  # TlsConfigError is a ValueError; named for the reader
         print(f"error: {e}", file=sys.stderr)
         return 1

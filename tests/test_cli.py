@@ -88,13 +88,16 @@ def test_generate_with_a_fixed_policy_equals_plain_decoding(capsys, real_model_d
     assert fixed["token_ids"] == plain["token_ids"] and fixed["draft_tokens"] <= 2 * fixed["rounds"]
 
 
-@pytest.mark.parametrize("argv, policy", [
-    (["serve", "--drafter", "none"], "none"),  # nothing to schedule: plain decoding, not the default dspark
-    (["serve"], "dspark"),
-    (["serve", "--drafter", "none", "--policy", "fixed:1"], "fixed:1"),  # explicit wins (and the engine refuses it)
-    (["generate", "hi"], None),  # generate verifies all γ drafts unless told otherwise
+@pytest.mark.parametrize("argv, env, policy", [
+    (["serve", "--drafter", "none"], {}, "none"),  # nothing to schedule: plain decoding, not the default dspark
+    (["serve"], {}, "dspark"),
+    (["serve", "--drafter", "none", "--policy", "fixed:1"], {}, "fixed:1"),  # explicit wins (and the engine refuses it)
+    (["serve", "--drafter", "none"], {"DSPARK_SCHEDULER_POLICY": "fixed:2"}, "fixed:2"),  # so does a configured one
+    (["scheduler"], {"DSPARK_DRAFTER_NAME": "none"}, "none"),  # every command: one resolution
+    (["generate", "hi"], {}, ""),  # generate verifies all γ drafts unless told otherwise
+    (["generate", "hi"], {"DSPARK_SCHEDULER_POLICY": "fixed:3"}, "fixed:3"),
 ])
-def test_the_policy_defaults_to_plain_decoding_without_a_drafter(argv, policy):
-    from dspark.cli import _policy, build_parser
+def test_the_policy_defaults_to_plain_decoding_without_a_drafter(argv, env, policy):
+    from dspark.cli import resolve_for
 
-    assert _policy(build_parser().parse_args(argv)) == policy
+    assert resolve_for(argv[0], argv[1:], env=env).scheduler.policy == policy

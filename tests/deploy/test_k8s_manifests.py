@@ -273,8 +273,8 @@ def test_grpc_services_are_started_by_the_dspark_cli_with_the_configuration_alon
     args = build_parser().parse_args(container["args"])
     assert args.func.__name__ == f"cmd_{service}"
     # no flag overrides the configuration; no config file: the environment is the configuration
-    flags = {k: v for k, v in vars(args).items() if k not in ("func", "log_level", "command") and v is not None}
-    assert flags == {}, f"{service} flags override the configuration: {flags}"
+    flags = {dest: getattr(args, dest) for dest in args.config_flags if getattr(args, dest) is not None}
+    assert flags == {} and args.config is None, f"{service} flags override the configuration: {flags}, --config {args.config}"
 
 
 @ALL

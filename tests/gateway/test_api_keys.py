@@ -69,8 +69,9 @@ def test_the_configuration_keeps_hashes_only_and_reads_the_older_variable_too():
     assert config.gateway.api_keys == f"{KEY_HASH},{hash_api_key('b')}"
     assert KEY not in config.to_json() and KEY not in repr(config)
     assert ("gateway", "api_keys") in ServingConfig.secret_keys()
-    keys = ApiKeys.from_config(config.gateway.api_keys, env={"DSPARK_API_KEYS": "legacy-key"})
-    assert keys.identify(KEY.encode()) and keys.identify(b"b") and keys.identify(b"legacy-key")
+    config = ServingConfig.load(env={"DSPARK_GATEWAY_API_KEYS": KEY, "DSPARK_API_KEYS": "legacy-key"})
+    keys = ApiKeys.from_entries(config.gateway.api_keys)
+    assert keys.identify(KEY.encode()) and keys.identify(b"legacy-key") and "legacy-key" not in config.to_json()
     with pytest.raises(ValueError, match="gateway.api_keys: .*not 64 hex digits"):
         ServingConfig.load(env={"DSPARK_GATEWAY_API_KEYS": "sha256:abc"})
 

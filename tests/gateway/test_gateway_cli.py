@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dspark.cli import build_parser
+from dspark.api_key_hashes import normalize_api_keys
+from dspark.cli import build_parser, resolve_for
 from gateway.cli import cmd_gateway
-from gateway.server import api_keys_from_env
 
 
 def test_dspark_gateway_is_registered_with_its_options():
@@ -15,8 +15,9 @@ def test_dspark_gateway_is_registered_with_its_options():
         "redis://bus:6379/1", ["k1", "k2"], 64, "prod", 5.0)
 
 
-def test_api_keys_come_from_the_environment_comma_separated(monkeypatch):
-    monkeypatch.setenv("DSPARK_API_KEYS", " k1, ,k2 ")
-    assert api_keys_from_env() == ("k1", "k2")
-    monkeypatch.delenv("DSPARK_API_KEYS")
-    assert api_keys_from_env() == ()
+def test_api_keys_come_from_both_variables_comma_separated_and_the_flags_replace_them():
+    env = {"DSPARK_API_KEYS": " k1, ,k2 ", "DSPARK_GATEWAY_API_KEYS": "k3"}
+    assert resolve_for("gateway", [], env=env).gateway.api_keys == ",".join(normalize_api_keys("k3,k1,k2"))
+    assert resolve_for("gateway", ["--api-key", "k4", "--api-key", "k5"], env=env).gateway.api_keys == (
+        ",".join(normalize_api_keys("k4,k5")))
+    assert resolve_for("gateway", [], env={}).gateway.api_keys == ""

@@ -2,9 +2,9 @@
 serves: the warm-up must not need the SPS profile that is measured right after it.
 
 The serving configuration (dspark/serving_config.py) is the one source of the serving defaults:
-a flag of `dspark serve` or `dspark gateway` that has a key there, left out, takes that key's
-default; with other defaults in the configuration the flags follow them (a default written into
-the CLI would not)."""
+`dspark serve` and `dspark gateway` without flags, file or variables run with its defaults
+(and the gateway with its one command default, a local Redis); that a flag left out never
+overrides a key is tests/test_command_config.py's."""
 
 from __future__ import annotations
 
@@ -12,62 +12,31 @@ import asyncio
 
 import pytest
 
-import dspark.serving_config
-from dspark.cli import build_parser, serve_arguments
+from dspark.cli import resolve_for, serve_arguments
 from dspark.engine.speculative import GenerationRequest
 from dspark.model.target_runtime import TargetConfig
 from dspark.sampling.params import SamplingParams
 from dspark.serving_config import ServingConfig
-from gateway.cli import with_config_defaults
+from gateway.cli import DEFAULT_REDIS_URL
 from gateway.server import build_engine
 
-# Defaults unlike the shipped ones, for every key a `dspark serve` / `dspark gateway` flag stands for.
-OTHER_DEFAULTS = {
-    "model": {"name": "some-other-model", "dtype": "float32", "kv_budget_mb": 123},
-    "gateway": {"host": "0.0.0.0", "port": 8123, "max_tokens_limit": 777},
-    "verifier": {"sps_max_batch": 5},
-    "scheduler": {"gamma": 3},
-}
 
-
-def serve_defaults(config: ServingConfig) -> dict:
-    """What `dspark serve` without flags passes to gateway.server.serve."""
-    resolved = serve_arguments(build_parser().parse_args(["serve"]))
+def test_dspark_serve_without_flags_runs_with_the_serving_configurations_defaults():
+    config = ServingConfig()
+    resolved = serve_arguments(resolve_for("serve", [], env={}))
     target = resolved.pop("target")
-    return {**resolved, "model": target.model, "dtype": target.dtype, "kv_budget_mb": target.kv_budget_mb}
+    assert (target.model, target.dtype, target.kv_budget_mb, target.max_model_len) == (
+        config.model.name, config.model.dtype, config.model.kv_budget_mb, None)
+    assert resolved == {
+        "host": config.gateway.host, "port": config.gateway.port, "drafter": config.drafter.name, "drafter_path": None,
+        "drafter_top_k": config.drafter.top_k, "gamma": config.scheduler.gamma, "policy": config.scheduler.policy,
+        "sps_max_batch": config.verifier.sps_max_batch, "sampler_backend": config.verifier.sampler_backend,
+        "max_tokens_limit": config.gateway.max_tokens_limit, "model_name": None, "limits": config.gateway,
+        "observability": config.observability}
 
 
-def expected_serve_defaults(config: ServingConfig) -> dict:
-    return {"host": config.gateway.host, "port": config.gateway.port, "max_tokens_limit": config.gateway.max_tokens_limit,
-            "sps_max_batch": config.verifier.sps_max_batch, "gamma": config.scheduler.gamma,
-            "model": config.model.name, "dtype": config.model.dtype, "kv_budget_mb": config.model.kv_budget_mb}
-
-
-def gateway_defaults() -> dict:
-    args = with_config_defaults(build_parser().parse_args(["gateway"]))
-    return {"model": args.model, "host": args.host, "port": args.port}
-
-
-def test_dspark_serve_flags_default_to_the_serving_configuration():
-    config = ServingConfig()
-    resolved = serve_defaults(config)
-    assert {k: resolved[k] for k in expected_serve_defaults(config)} == expected_serve_defaults(config)
-    assert resolved["drafter"] == config.drafter.name and resolved["policy"] == config.scheduler.policy
-
-
-def test_dspark_gateway_flags_default_to_the_serving_configuration():
-    config = ServingConfig()
-    assert gateway_defaults() == {"model": config.model.name, "host": config.gateway.host, "port": config.gateway.port}
-    args = build_parser().parse_args(["gateway"])  # the limits fall back to the loaded configuration in cmd_gateway
-    assert args.max_tokens_limit is None and args.max_body_bytes is None and args.max_prompt_tokens is None
-
-
-def test_the_cli_defaults_follow_the_configuration_when_its_defaults_change(monkeypatch):
-    other = ServingConfig().updated(OTHER_DEFAULTS)
-    monkeypatch.setattr(dspark.serving_config, "ServingConfig", lambda: other)  # what the CLI modules read at parse time
-    resolved = serve_defaults(other)
-    assert {k: resolved[k] for k in expected_serve_defaults(other)} == expected_serve_defaults(other)
-    assert gateway_defaults() == {"model": "some-other-model", "host": "0.0.0.0", "port": 8123}
+def test_dspark_gateway_without_flags_runs_with_the_defaults_and_a_local_redis():
+    assert resolve_for("gateway", [], env={}) == ServingConfig().updated({"redis": {"url": DEFAULT_REDIS_URL}})
 
 
 @pytest.mark.slow

@@ -22,26 +22,22 @@ from pathlib import Path
 import grpc
 import pytest
 
-from dspark.cli import build_parser, main
+from dspark.cli import main, resolve_for
 from dspark.protos.dspark.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from dspark.serving_config import ServingConfig
-from services.cli import config_from_args
 from services.grpc_common import check_health, make_channel
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "a-test-token-for-the-services"
 
 
-def test_flags_override_the_configuration_for_the_commands_own_service(monkeypatch):
-    monkeypatch.setenv("DSPARK_VERIFIER_PORT", "6100")
-    monkeypatch.setenv("DSPARK_SCHEDULER_GAMMA", "5")
-    args = build_parser().parse_args(["verifier", "--host", "0.0.0.0", "--sps-max-batch", "0", "--drafter", "dspark",
-                                      "--drafter-path", "/ckpt"])
-    c = config_from_args(args, "verifier")
+def test_flags_override_the_configuration_for_the_commands_own_service():
+    env = {"DSPARK_VERIFIER_PORT": "6100", "DSPARK_SCHEDULER_GAMMA": "5"}
+    c = resolve_for("verifier", ["--host", "0.0.0.0", "--sps-max-batch", "0", "--drafter", "dspark", "--drafter-path", "/ckpt"],
+                    env=env)
     assert (c.verifier.host, c.verifier.port, c.verifier.sps_max_batch) == ("0.0.0.0", 6100, 0)  # port from the environment
     assert (c.drafter.name, c.drafter.path, c.scheduler.gamma) == ("dspark", "/ckpt", 5)
-    args = build_parser().parse_args(["scheduler", "--port", "6200", "--verifier-address", "v:1", "--policy", "dspark"])
-    c = config_from_args(args, "scheduler")
+    c = resolve_for("scheduler", ["--port", "6200", "--verifier-address", "v:1", "--policy", "dspark"], env=env)
     assert (c.scheduler.port, c.verifier.dial, c.scheduler.policy, c.verifier.port) == (6200, "v:1", "dspark", 6100)
 
 
@@ -57,16 +53,17 @@ def test_a_bad_configuration_is_an_error_message_not_a_traceback(monkeypatch, ca
     assert "verifier.port must be an integer" in capsys.readouterr().err
 
 
-def test_up_starts_the_gateway_over_the_bus_only_when_a_redis_url_is_configured():
+def test_up_starts_the_gateway_over_the_bus_only_when_a_redis_url_is_configured(tmp_path):
     from services.cli import _gateway_command
 
-    assert _gateway_command(ServingConfig()) is None
+    path = tmp_path / "serving.json"  # what `up` writes for its children
+    assert _gateway_command(ServingConfig(), path, "info") is None
     config = ServingConfig().updated({"redis": {"url": "redis://127.0.0.1:6379/3"}, "gateway": {"port": 8100, "model_name": "m"},
                                       "model": {"max_model_len": 256}})
-    cmd = _gateway_command(config)
+    path.write_text(config.to_json())
+    cmd = _gateway_command(config, path, "info")
     assert cmd[:4] == [sys.executable, "-m", "dspark.cli", "gateway"]
-    args = build_parser().parse_args(cmd[3:])  # what `dspark gateway` (gateway/cli.py) will parse
-    assert (args.redis, args.port, args.served_model_name, args.max_model_len) == ("redis://127.0.0.1:6379/3", 8100, "m", 256)
+    assert resolve_for("gateway", cmd[4:], env={}) == config  # the children get none of our DSPARK_* variables
 
 
 def test_the_build_functions_load_a_model_by_path_and_the_verifier_profiles_sps(tiny_model_dir, serve):
