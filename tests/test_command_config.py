@@ -18,6 +18,7 @@ import json
 import os
 import typing
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -212,3 +213,15 @@ def test_a_typo_in_the_file_or_a_bad_variable_stops_the_command_with_a_message_n
     assert main([command]) == 2
     captured = capsys.readouterr()
     assert "environment: gateway.max_tokens_limit must be an integer, got 'lots'" in captured.out + captured.err
+
+
+def test_the_configuration_modules_import_neither_the_gateway_nor_the_services_nor_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; from dspark.serving_config import ServingConfig; import dspark.command_config; "
+            "ServingConfig.load(env={'DSPARK_GATEWAY_API_KEYS': 'a-key'}); "  # plain keys are hashed on load
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'gateway', 'services', 'torch'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout
+    assert out.strip() == "[]"
