@@ -53,6 +53,7 @@ from dspark.engine.verifier import PREFILL_ANCHOR, LocalVerifier, Verifier, Veri
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.model.target_runtime import TargetRuntime
 from dspark.observability import tracing
+from dspark.observability.round_feed import RequestRound, RoundDetail, RoundFeed
 from dspark.observability.rounds import RoundObserver
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs
@@ -177,6 +178,7 @@ class SpeculativeEngine:
         self.drafter_outage: Outage | None = None  # the drafter failed and has not answered since
         self.verifier_outage: Outage | None = None  # the verifier failed and no round has succeeded since
         self._unfreed: dict[str, set[str]] = {"verifier": set(), "drafter": set()}  # ids a failed call could not free
+        self.round_feed = RoundFeed()  # each round's RoundEvent while someone watches (dspark/observability/round_feed.py)
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
 
     @classmethod
@@ -302,7 +304,7 @@ class SpeculativeEngine:
         self._recover_drafter(states)
         if not self._recover_verifier(states):  # raises RequestsFailed for requests it gives up on
             return []
-        with RoundObserver(self.counters.steps, [s.span_context for s in states]) as observed:
+        with RoundObserver(self.counters.steps, [s.span_context for s in states], feed=self.round_feed) as observed:
             return self._round(states, observed)
 
     def _round(self, states: list[RequestState], observed: RoundObserver) -> list[StepOutput]:
@@ -318,11 +320,13 @@ class SpeculativeEngine:
             else:
                 proposals = [DraftProposal.empty() for _ in decoding]
             t_draft = time.perf_counter() - t_draft
+        drafted, trace = proposals, None  # before the policy cuts them, and its trace: for the round feed
         with observed.phase("schedule"):
             if self.policy is not None and decoding:
                 prefilling = [s for s in states if not s.prefilled]
                 lengths = self._draft_lengths(decoding, proposals, prefilling)
                 proposals = [p.truncated(int(n)) for p, n in zip(proposals, lengths)]
+                trace = self.policy.last_trace if observed.watched else None
         draft_of = {s.request.request_id: p for s, p in zip(decoding, proposals)}
 
         with observed.phase("verify"):
@@ -370,9 +374,31 @@ class SpeculativeEngine:
             outputs.append(out)
         if finished:
             self._release(finished)
+        detail = None
+        if observed.watched:  # the round feed's view, built only while someone watches
+            detail = lambda: RoundDetail(  # noqa: E731  (called by the observer, which logs any failure)
+                requests=self._request_rounds(decoding, drafted, draft_of, num_accepted, outputs), schedule=trace,
+                sps_profile=self.sps_profile, running=len(self.running), drafting=drafting,
+                policy=self.policy.spec if self.policy is not None else None)
         observed.finish(num_draft_tokens=round_drafts, num_accepted=round_accepted, num_emitted=round_emitted,
-                        prefill_tokens=prefill_tokens, generated_tokens=sum(len(o.new_token_ids) for o in outputs))
+                        prefill_tokens=prefill_tokens, generated_tokens=sum(len(o.new_token_ids) for o in outputs),
+                        detail=detail)
         return outputs
+
+    @staticmethod
+    def _request_rounds(decoding: list[RequestState], drafted: list[DraftProposal], draft_of: dict[str, DraftProposal],
+                        num_accepted: list[int], outputs: list[StepOutput]) -> list[RequestRound]:
+        """Each request's part of the round for the round feed (outputs and num_accepted in batch order)."""
+        proposed = {s.request.request_id: p for s, p in zip(decoding, drafted)}
+        rounds = []
+        for out, a in zip(outputs, num_accepted):
+            p = proposed.get(out.request_id)  # None: prefilled this round
+            rounds.append(RequestRound(
+                request_id=out.request_id, prefill=p is None, drafted=p.token_ids.tolist() if p is not None else [],
+                confidences=p.confidences.tolist() if p is not None and p.confidences is not None else [],
+                admitted=len(draft_of[out.request_id]) if p is not None else 0, accepted=a if p is not None else 0,
+                emitted=list(out.new_token_ids), finish_reason=out.finish_reason))
+        return rounds
 
     def _gate_allows_drafting(self, decoding: list[RequestState], states: list[RequestState]) -> bool:
         """The draft gate's decision for this round, from earlier rounds only (draft_gate.py)."""

@@ -26,11 +26,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import numpy as np
 
-from dspark.scheduling.prefix_scheduler import ArrayLike, schedule, schedule_async, survival_products
+from dspark.scheduling.prefix_scheduler import ArrayLike, ScheduleTrace, schedule_async, schedule_with_trace, survival_products
 
 POLICY_FORMS = ("none", "fixed:K", "threshold:C", "dspark", "dspark-async")
 
@@ -45,6 +45,9 @@ class Policy(Protocol):
     # True: the engine skips a round's drafting when its last rounds say drafting will not pay
     # (dspark/scheduling/draft_gate.py); the static baselines always draft
     gates_drafting: bool
+    # what the last draft_lengths computed on its way (Algorithm 1's Θ per admission, its break),
+    # for the round view; None for the policies that compute no Θ
+    last_trace: ScheduleTrace | None
 
     def draft_lengths(
         self,
@@ -92,6 +95,7 @@ class NonePolicy:
     needs_sps_profile: bool = False
     max_drafts: int | None = 0
     gates_drafting: bool = False
+    last_trace: ClassVar[None] = None
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
@@ -110,6 +114,7 @@ class FixedPolicy:
     needs_confidences: bool = False
     needs_sps_profile: bool = False
     gates_drafting: bool = False
+    last_trace: ClassVar[None] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -148,6 +153,7 @@ class ThresholdPolicy:
     needs_sps_profile: bool = False
     max_drafts: int | None = None
     gates_drafting: bool = False
+    last_trace: ClassVar[None] = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:  # also rejects NaN
@@ -169,23 +175,26 @@ class ThresholdPolicy:
         pass
 
 
-@dataclass(frozen=True)
+@dataclass
 class DSparkPolicy:
     """Algorithm 1 with the break (synchronous): maximise Θ = τ*·SPS(B) greedily, stop at the
-    first candidate that does not raise it. B never exceeds the SPS table."""
+    first candidate that does not raise it. B never exceeds the SPS table. Keeps the trace of its
+    last schedule (`last_trace`: the Θ it computed anyway, no extra work)."""
 
     spec: str = "dspark"
     needs_confidences: bool = True
     needs_sps_profile: bool = True
     max_drafts: int | None = None
     gates_drafting: bool = True
+    last_trace: ScheduleTrace | None = field(default=None, repr=False, compare=False)
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
                       prefill_tokens=0, prefill_emitted=0) -> np.ndarray:
         n = _num_drafts(request_ids, num_drafts)
         _require(confidences, sps_table, self.spec, sps=True)
-        return schedule(confidences=confidences, sps_table=sps_table, num_drafts=n,
-                        prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)  # [R]
+        ell, self.last_trace = schedule_with_trace(confidences=confidences, sps_table=sps_table, num_drafts=n,
+                                                   prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
+        return ell  # [R]
 
     def remove_request(self, request_id: str) -> None:
         pass
@@ -213,6 +222,7 @@ class DSparkAsyncPolicy:
     # not gated: its capacity comes from confidences of two rounds earlier, which a round
     # without drafting does not produce, so a gate would starve it of the very rounds it reads
     gates_drafting: bool = False
+    last_trace: ClassVar[None] = None  # (its capacity search is over stale confidences: no Θ of this round)
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2
     _population: deque = field(default_factory=lambda: deque(maxlen=2), repr=False)  # deque[(round, mean c [n])]

@@ -62,20 +62,46 @@ thousands of floats costs more than a schedule). Cost: benchmarks/bench_schedule
 
 Entry points: `schedule` (Algorithm 1, vectorised), `schedule_reference` (plain loops, its
 definition), `schedule_full_search` (no break: NOT lossless, for capacities and tests),
-`schedule_async`, `admit_top_k`, `throughput_objective`, `brute_force_optimum`.
+`schedule_async`, `admit_top_k`, `throughput_objective`, `brute_force_optimum`. The `_with_trace`
+forms of the first two also return a `ScheduleTrace`: the Θ after each admission and where and
+why the admissions stopped, what the scheduler computed anyway (the round view shows it).
 Run `python -m pytest tests/scheduling -q` and `python benchmarks/bench_scheduler.py`.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 ArrayLike = Any  # np.ndarray | Sequence | CPU torch.Tensor
 
 _FIRST_WINDOW = 128  # candidates ranked in the first pass of `schedule` (grown x8 while Θ still rises)
+
+
+@dataclass(frozen=True)
+class ScheduleTrace:
+    """What Algorithm 1 computed on its way to ℓ: Θ after each admission, where and why it stopped.
+
+    Candidates are ranked as in the module docstring; admitting the k best gives B = base_batch + k."""
+
+    thetas: np.ndarray  # [admitted + 1], [admitted + 2] after a break: Θ_k for k = 0..admitted (+ the declined one)
+    base_batch: int  # P + R: B with no draft admitted (prefill tokens and anchors)
+    admitted: int  # Σ_r ℓ_r: candidates admitted
+    stop: Literal["break", "candidates", "table"]  # the next candidate did not raise Θ | none was left | B_max reached
+    break_candidate: tuple[int, int] | None  # (r, j), j 1-based: the candidate the break declined; None unless "break"
+
+    @property
+    def batch_size(self) -> int:
+        """B of the chosen ℓ."""
+        return self.base_batch + self.admitted
+
+    @property
+    def theta(self) -> float:
+        """Θ of the chosen ℓ: expected tokens per second."""
+        return float(self.thetas[self.admitted])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,6 +183,21 @@ def schedule_reference(
     Returns ℓ [R] int64. With stop_at_first_decline=False it keeps scanning after Θ stops rising
     and returns the best prefix of the sorted list (first one on ties): the "full search".
     """
+    return schedule_reference_with_trace(confidences=confidences, sps_table=sps_table, num_drafts=num_drafts,
+                                         stop_at_first_decline=stop_at_first_decline, prefill_tokens=prefill_tokens,
+                                         prefill_emitted=prefill_emitted)[0]
+
+
+def schedule_reference_with_trace(
+    *,
+    confidences: ArrayLike,  # [R, γ]
+    sps_table: ArrayLike,  # [B_max]
+    num_drafts: ArrayLike | None = None,  # [R]
+    stop_at_first_decline: bool = True,
+    prefill_tokens: int = 0,
+    prefill_emitted: int = 0,
+) -> tuple[np.ndarray, ScheduleTrace]:
+    """`schedule_reference` and its ScheduleTrace (the full search scans on: its trace has every Θ, no break)."""
     _check_prefill(prefill_tokens, prefill_emitted)
     c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     num_requests = c.shape[0]
@@ -175,20 +216,26 @@ def schedule_reference(
     batch, tau = num_requests + prefill_tokens, float(num_requests + prefill_emitted)
     best = tau * table[batch - 1] if batch else 0.0
     best_count = 0
-    for count, (a, _, _) in enumerate(candidates, start=1):
+    thetas, stop, declined = [best], "candidates", None
+    for count, (a, r, j) in enumerate(candidates, start=1):
         if batch + 1 > len(table):  # beyond the table: not admissible
+            stop = "table"
             break
         tau = tau + a
         batch += 1
         theta = tau * table[batch - 1]
+        thetas.append(theta)
         if theta > best:
             best, best_count = theta, count
         elif stop_at_first_decline:
+            stop, declined = "break", (r, j)
             break
     for _, r, j in candidates[:best_count]:
         assert ell[r] == j - 1, "the sorted list must meet each request's drafts in prefix order"
         ell[r] = j
-    return np.array(ell, dtype=np.int64)
+    trace = ScheduleTrace(thetas=np.array(thetas, dtype=np.float64), base_batch=num_requests + prefill_tokens,
+                          admitted=best_count, stop=stop, break_candidate=declined)
+    return np.array(ell, dtype=np.int64), trace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,22 +291,45 @@ def schedule(
     best candidates is ranked at first (a partition, not a full sort); the window grows x8 while
     Θ is still rising at its end, so the result is that of one global sort.
     """
+    return schedule_with_trace(confidences=confidences, sps_table=sps_table, num_drafts=num_drafts,
+                               prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)[0]
+
+
+def schedule_with_trace(
+    *,
+    confidences: ArrayLike,  # [R, γ]
+    sps_table: ArrayLike,  # [B_max]
+    num_drafts: ArrayLike | None = None,  # [R]
+    prefill_tokens: int = 0,
+    prefill_emitted: int = 0,
+) -> tuple[np.ndarray, ScheduleTrace]:
+    """`schedule` and its ScheduleTrace (a view of the Θ it computed: no extra work); both equal
+    `schedule_reference_with_trace` exactly."""
     _check_prefill(prefill_tokens, prefill_emitted)
     c, n, sps = _as_inputs(confidences, num_drafts, sps_table, prefill_tokens)
     num_requests, gamma = c.shape
+    base = num_requests + prefill_tokens
+
+    def trace(thetas: np.ndarray, admitted: int, stop: str, declined: int | None = None) -> ScheduleTrace:
+        candidate = None if declined is None else (int(declined) // gamma, int(declined) % gamma + 1)
+        return ScheduleTrace(thetas=thetas, base_batch=base, admitted=admitted, stop=stop, break_candidate=candidate)
+
     if num_requests == 0 or gamma == 0:
-        return np.zeros(num_requests, dtype=np.int64)
+        theta0 = np.array([float(num_requests + prefill_emitted) * sps[base - 1] if base else 0.0])  # [1]
+        return np.zeros(num_requests, dtype=np.int64), trace(theta0, 0, "candidates")
     flat = _survival(c, n).ravel()  # [R·γ]
     num_positive = int(np.count_nonzero(flat))
-    limit = min(num_positive, sps.size - num_requests - prefill_tokens)  # candidates that fit in the table
+    limit = min(num_positive, sps.size - base)  # candidates that fit in the table
     m = min(limit, _FIRST_WINDOW)
     while True:
         order = _ranked(flat, num_positive, m)  # [m]
-        rises = np.diff(_thetas(flat[order], num_requests, sps, prefill_tokens, prefill_emitted)) > 0.0  # [m]: Θ_{k+1} > Θ_k
+        thetas = _thetas(flat[order], num_requests, sps, prefill_tokens, prefill_emitted)  # [m + 1]
+        rises = np.diff(thetas) > 0.0  # [m]: Θ_{k+1} > Θ_k
         if not rises.all():
-            return _lengths(order[: int(np.argmin(rises))], num_requests, gamma)  # first decline
+            count = int(np.argmin(rises))  # first decline
+            return _lengths(order[:count], num_requests, gamma), trace(thetas[: count + 2], count, "break", order[count])
         if m == limit:
-            return _lengths(order, num_requests, gamma)
+            return _lengths(order, num_requests, gamma), trace(thetas, m, "table" if limit < num_positive else "candidates")
         m = min(limit, 8 * m)
 
 

@@ -21,6 +21,8 @@ from dspark.scheduling.prefix_scheduler import (
     schedule_async,
     schedule_full_search,
     schedule_reference,
+    schedule_reference_with_trace,
+    schedule_with_trace,
     survival_products,
     throughput_objective,
 )
@@ -110,6 +112,43 @@ def test_vectorised_full_search_equals_the_reference_without_the_break():
         np.testing.assert_array_equal(
             schedule_full_search(**case), schedule_reference(**case, stop_at_first_decline=False)
         )
+
+
+def assert_same_trace(fast, ref, msg: str = "") -> None:
+    np.testing.assert_array_equal(fast.thetas, ref.thetas, err_msg=msg)  # the same float operations: bit for bit
+    assert (fast.base_batch, fast.admitted, fast.stop, fast.break_candidate) == (
+        ref.base_batch, ref.admitted, ref.stop, ref.break_candidate), msg
+
+
+def test_the_vectorised_trace_equals_the_reference_trace_and_describes_the_chosen_lengths():
+    rng = np.random.default_rng(3)
+    stops = set()
+    for num_requests, gamma in sizes(rng, 300):
+        case = random_case(rng, num_requests, gamma)
+        if rng.random() < 0.3:
+            case = with_prefills(rng, case)
+        (fast_ell, fast), (ref_ell, ref) = schedule_with_trace(**case), schedule_reference_with_trace(**case)
+        msg = f"R={num_requests} gamma={gamma}"
+        np.testing.assert_array_equal(fast_ell, ref_ell, err_msg=msg)
+        assert_same_trace(fast, ref, msg)
+        stops.add(fast.stop)
+        # the trace is the chosen ℓ's: Σℓ admitted, B = P + R + Σℓ, Θ = τ*·SPS(B) of that ℓ
+        assert fast.admitted == int(fast_ell.sum()) and fast.batch_size == case.get("prefill_tokens", 0) + num_requests + fast.admitted
+        assert fast.theta == pytest.approx(throughput_objective(draft_lengths=fast_ell, **case), rel=1e-12)
+        assert len(fast.thetas) == fast.admitted + 1 + (fast.stop == "break")
+        assert np.all(np.diff(fast.thetas[: fast.admitted + 1]) > 0)  # Θ rose with every admission
+        if fast.stop == "break":  # the declined candidate: the next draft of its request, and Θ did not rise
+            r, j = fast.break_candidate
+            assert j == fast_ell[r] + 1 and fast.thetas[-1] <= fast.thetas[-2]
+    assert stops == {"break", "candidates", "table"}  # every way of stopping was seen
+
+
+def test_the_trace_of_a_large_batch_past_the_first_window_equals_the_reference():
+    rng = np.random.default_rng(4)
+    c = random_confidences(rng, 512, 16, "high")
+    table = random_sps_table(rng, 512 * 17, "roofline")
+    assert_same_trace(schedule_with_trace(confidences=c, sps_table=table)[1],
+                      schedule_reference_with_trace(confidences=c, sps_table=table)[1])
 
 
 @pytest.mark.parametrize("sps_kind", SPS_KINDS)
