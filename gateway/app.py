@@ -7,7 +7,8 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: t
 server-sent events ending in `data: [DONE]`), GET /v1/models, GET /health (readiness: the bus and
 the schedulers answer; 503 otherwise) and GET /live (liveness: the process answers, nothing else
 is checked, so a restart is never the cure for a dependency that is down), GET /metrics
-(Prometheus; open like the probes). Every request is a span continuing the client's W3C
+(Prometheus; open like the probes), GET /ui (the live round view, gateway/round_view.py; its event
+stream /ui/events needs the API key). Every request is a span continuing the client's W3C
 `traceparent`; the bus request carries that span's context on (dspark/observability).
 
 A request is validated and tokenised here, submitted to the bus, and answered from its output
@@ -67,6 +68,7 @@ from gateway.openai_schema import (
 )
 from gateway.rate_limit import RateLimiter
 from gateway.responses import ID_PREFIX, ChunkWriter, ResponseSpec, collect_text, event_error, speculative, usage
+from gateway.round_view import EVENTS_PATH, OPEN_PATHS, add_round_view
 from gateway.text_stream import TextStream
 
 __all__ = ["ApiError", "TextStream", "create_app", "parse_sse"]
@@ -151,7 +153,8 @@ def create_app(
     app.openapi = lambda: with_stream_chunk_schemas(FastAPI.openapi(app))  # FastAPI's "extending OpenAPI" recipe
     app.state.bus = bus
     app.add_middleware(RequestGuard, api_keys=api_keys if isinstance(api_keys, ApiKeys) else tuple(api_keys),
-                       max_body_bytes=max_body_bytes, rate_limiter=rate_limiter, open_paths=("/health", "/live", "/metrics"))
+                       max_body_bytes=max_body_bytes, rate_limiter=rate_limiter,
+                       open_paths=("/health", "/live", "/metrics", *OPEN_PATHS), unmetered_paths=(EVENTS_PATH,))
     app.add_middleware(TelemetryMiddleware)  # outermost: a span and metrics for every request, refused ones too
     default_max_tokens = min(default_max_tokens, max_tokens_limit)
     prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
@@ -378,6 +381,8 @@ def create_app(
         return sse_response(spec, bus.tail(request_id), resume=(event_id, chunk))
 
     # ---- endpoints ----
+
+    add_round_view(app, bus, tokenizer.decode, model_name=model_name)  # /ui: the live round view (gateway/round_view.py)
 
     @app.get("/live", response_model=None, responses={200: {"model": LiveStatus}})
     async def live() -> dict:

@@ -17,6 +17,8 @@ uvicorn's h11 protocol with
     503 (OpenAI's error body, `connection: close`) without reaching the app, so requests already
     running keep their slots and finish; only the probes (/live, /health) are still answered.
   * a write deadline for slow readers, `slow_reader_timeout_s`: see below.
+  * on shutdown, a round view event stream (/ui/events: it never ends by itself, and uvicorn waits
+    for every response to end) is closed at once; its page reconnects to the next server.
 
 Slow readers. A client that opens a stream (`stream: true`) and never reads it costs no unbounded
 memory: uvicorn stops writing once the transport's buffer passes its high-water mark (64 KiB,
@@ -51,6 +53,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from dspark.serving_config import GatewaySection
 from gateway.errors import error_body
+from gateway.round_view import EVENTS_PATH
 
 __all__ = ["LimitedH11Protocol", "uvicorn_config"]
 
@@ -164,6 +167,14 @@ class LimitedH11Protocol(H11Protocol):
         if not self.transport.is_closing():
             self._received_any = bool(self.conn.trailing_data[0])
             self._follow_request()
+
+    def shutdown(self) -> None:
+        """The server shuts down: close a round view stream now; uvicorn lets anything else finish."""
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and cycle.scope.get("path") == EVENTS_PATH:
+            self.transport.close()  # the app sees http.disconnect from connection_lost
+            return
+        super().shutdown()
 
     def send_400_response(self, msg: str) -> None:
         """A request h11 cannot parse (malformed, or headers over `max_header_bytes`): OpenAI's error

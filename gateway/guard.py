@@ -15,8 +15,10 @@ reaches a handler. In order:
    client has gone: the app's call returns only then.
 4. The body is read (up to `max_body_bytes`, else 413) and replayed to the app, after which the
    app's `receive` is the server's again (so handlers still see `http.disconnect`).
-Paths in `open_paths` (the probes) skip keys and limits. The key's id is left in the request's
-state (`request.state.api_key_id`) for logs and metrics; the key itself is never logged.
+Paths in `open_paths` (the probes, the round view's static page) skip keys and limits; paths in
+`unmetered_paths` (the round view's event stream: open as long as the page is) need the key but
+take no request token or in-flight slot. The key's id is left in the request's state
+(`request.state.api_key_id`) for logs and metrics; the key itself is never logged.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ BODY_METHODS = (b"POST", b"PUT", b"PATCH")
 
 class RequestGuard:
     def __init__(self, app, *, api_keys: ApiKeys | Iterable[str] = (), max_body_bytes: int = 1 << 20,
-                 rate_limiter: RateLimiter | None = None, open_paths: Iterable[str] = ("/health",)):
+                 rate_limiter: RateLimiter | None = None, open_paths: Iterable[str] = ("/health",),
+                 unmetered_paths: Iterable[str] = ()):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
@@ -45,6 +48,7 @@ class RequestGuard:
         self.max_body_bytes = max_body_bytes
         self.rate_limiter = rate_limiter if rate_limiter is not None and rate_limiter.limits.enabled else None
         self.open_paths = frozenset(open_paths)
+        self.unmetered_paths = frozenset(unmetered_paths)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -65,7 +69,7 @@ class RequestGuard:
             await self._too_large(send)
             return
         lease = None
-        if guarded and self.rate_limiter is not None:
+        if guarded and self.rate_limiter is not None and scope.get("path") not in self.unmetered_paths:
             try:
                 lease = await self.rate_limiter.acquire(client)
             except RateLimited as e:

@@ -10,6 +10,11 @@ working on; requests whose consumer stopped keeping them alive for `claim_idle_s
 another consumer by `consume` (re-claimed). Cancel signals arrive on `subscribe_cancellations`
 and are also kept for `is_cancelled`.
 
+Round view (gateway/round_view.py, docs/round-view.md): gateways `watch_rounds`, and while one does
+`rounds_watched` is True (until `round_watch_ttl_s` after it stops), so the worker side
+`publish_rounds` the engine's round events then and only then. The round channel keeps the last
+`max_round_messages` messages: a reader further behind loses the oldest (it sees the round ids skip).
+
 Exactly-once output rests on two rules every implementation enforces:
   1. Fencing: each delivery of a request bumps its ownership `epoch`; `publish` refuses (with
      LostOwnership) a delivery whose epoch is no longer the current one, so a consumer that was
@@ -100,6 +105,8 @@ class Bus(abc.ABC):
 
     claim_idle_s: float  # a pending request not kept alive for this long is re-claimed
     finished_ttl_s: float  # a finished request's output stream and record live this long
+    round_watch_ttl_s: float  # rounds stay watched this long after the last watcher stopped
+    max_round_messages: int  # the round channel's length
 
     # ---- gateway side ----
 
@@ -152,6 +159,23 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def subscribe_cancellations(self) -> CancelSubscription:
         """Start receiving cancel signals (returns once subscribed, so none sent later is missed)."""
+
+    # ---- the round view ----
+
+    @abc.abstractmethod
+    def watch_rounds(self) -> AsyncIterator[list[str]]:
+        """Batches of round messages (JSON, the wire form of dspark/observability/round_feed.py)
+        published after the iteration began, in order, waiting for new ones; while it is being
+        iterated the rounds are watched (a reader must keep asking for the next batch). A transport outage is waited out, not raised (the round view is
+        best-effort: it never fails a caller)."""
+
+    @abc.abstractmethod
+    async def rounds_watched(self) -> bool:
+        """Whether a gateway watches the rounds (worker side: publish them only then)."""
+
+    @abc.abstractmethod
+    async def publish_rounds(self, messages: list[str]) -> None:
+        """Append round messages to the round channel (bounded: the oldest beyond max_round_messages go)."""
 
     async def close(self) -> None:
         """Release connections (no-op by default)."""

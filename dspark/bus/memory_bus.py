@@ -14,6 +14,7 @@ on the next call.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from collections import deque
@@ -130,13 +131,18 @@ class MemoryBus(Bus):
         cancel_ttl_s: float = 600.0,
         max_queue: int = 10_000,  # requests submitted and not yet acknowledged
         max_stream_len: int = 100_000,  # events kept per output stream (the oldest are dropped)
+        max_round_messages: int = 1000,  # round messages kept for slow watchers (the oldest are dropped)
+        round_watch_ttl_s: float = 5.0,  # rounds stay watched this long after the last watcher left
     ):
         for name, value in (("claim_idle_s", claim_idle_s), ("finished_ttl_s", finished_ttl_s),
                             ("pending_ttl_s", pending_ttl_s), ("cancel_ttl_s", cancel_ttl_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if max_queue < 1 or max_stream_len < 1:
-            raise ValueError(f"max_queue and max_stream_len must be >= 1, got {max_queue}, {max_stream_len}")
+        if max_queue < 1 or max_stream_len < 1 or max_round_messages < 1:
+            raise ValueError(f"max_queue, max_stream_len and max_round_messages must be >= 1, got {max_queue}, "
+                             f"{max_stream_len}, {max_round_messages}")
+        if not round_watch_ttl_s > 0:
+            raise ValueError(f"round_watch_ttl_s must be > 0, got {round_watch_ttl_s}")
         self.claim_idle_s = claim_idle_s
         self.finished_ttl_s = finished_ttl_s
         self.pending_ttl_s = pending_ttl_s
@@ -152,6 +158,12 @@ class MemoryBus(Bus):
         self._subscriptions: set[_MemoryCancelSubscription] = set()
         self._sweep_every_s = min(1.0, claim_idle_s, finished_ttl_s, cancel_ttl_s) / 4
         self._next_sweep = 0.0
+        self.max_round_messages, self.round_watch_ttl_s = max_round_messages, round_watch_ttl_s
+        self._rounds: deque[str] = deque(maxlen=max_round_messages)
+        self._rounds_published = 0  # messages ever published: the sequence number of the newest
+        self._round_waiters = _Waiters()
+        self._round_watchers = 0
+        self._rounds_watched_until = 0.0  # monotonic: the last watcher left at this time + round_watch_ttl_s
 
     # ---- gateway side ----------------------------------------------------------------------
 
@@ -284,6 +296,38 @@ class MemoryBus(Bus):
         with self._lock:
             self._subscriptions.add(sub)
         return sub
+
+    # ---- the round view --------------------------------------------------------------------
+
+    async def watch_rounds(self) -> AsyncIterator[list[str]]:
+        with self._lock:
+            self._round_watchers += 1
+            seen = self._rounds_published
+        try:
+            while True:
+                with self._lock:
+                    new = self._rounds_published - seen  # the oldest of them may have left the channel
+                    batch = list(itertools.islice(self._rounds, max(0, len(self._rounds) - new), None))
+                    seen = self._rounds_published
+                    fut = None if batch else self._round_waiters.add()
+                if batch:
+                    yield batch
+                else:
+                    await _wait(fut, None)
+        finally:
+            with self._lock:
+                self._round_watchers -= 1
+                self._rounds_watched_until = time.monotonic() + self.round_watch_ttl_s
+
+    async def rounds_watched(self) -> bool:
+        with self._lock:
+            return self._round_watchers > 0 or time.monotonic() < self._rounds_watched_until
+
+    async def publish_rounds(self, messages: list[str]) -> None:
+        with self._lock:
+            self._rounds.extend(messages)
+            self._rounds_published += len(messages)
+            self._round_waiters.wake_all()
 
     # ---- expiry ----------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@ Keys (`{rid}` in braces is a hash tag: a request's keys share one cluster slot):
     {prefix}:state:{rid}         hash: request (JSON), epoch, offset, finished
     {prefix}:out:{rid}           stream of the request's output events (field `event`, JSON)
     {prefix}:cancel:{rid}        cancel flag (with a TTL), plus a message on channel {prefix}:cancel
+    {prefix}:rounds              stream of round messages (field `m`, JSON), MAXLEN ~max_round_messages
+    {prefix}:rounds:watched      flag that a gateway watches the rounds, PX round_watch_ttl_s, refreshed while it does
 
 Request stream: gateways XADD (a Lua script refuses a duplicate id and a full queue);
 schedulers XREADGROUP new entries, XAUTOCLAIM entries pending longer than `claim_idle_s` (their
@@ -154,14 +156,17 @@ class RedisBus(Bus):
         # between two, the tail checks that the request still exists
         tail_block_s: float = 2.0,
         reconnect_timeout_s: float = 30.0,  # how long a tail, publish or ack retries while Redis is unreachable
+        max_round_messages: int = 1000,  # the round stream's length (about: trimmed with MAXLEN ~)
+        round_watch_ttl_s: float = 5.0,  # the watched flag's TTL; a watcher refreshes it every third of that
     ):
         for name, value in (("claim_idle_s", claim_idle_s), ("finished_ttl_s", finished_ttl_s),
                             ("pending_ttl_s", pending_ttl_s), ("cancel_ttl_s", cancel_ttl_s), ("tail_block_s", tail_block_s),
-                            ("reconnect_timeout_s", reconnect_timeout_s)):
+                            ("reconnect_timeout_s", reconnect_timeout_s), ("round_watch_ttl_s", round_watch_ttl_s)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
-        if max_queue < 1 or max_stream_len < 1:
-            raise ValueError(f"max_queue and max_stream_len must be >= 1, got {max_queue}, {max_stream_len}")
+        if max_queue < 1 or max_stream_len < 1 or max_round_messages < 1:
+            raise ValueError(f"max_queue, max_stream_len and max_round_messages must be >= 1, got {max_queue}, "
+                             f"{max_stream_len}, {max_round_messages}")
         if not prefix or any(c in prefix for c in "{} "):
             raise ValueError(f"prefix must be non-empty without braces or spaces, got {prefix!r}")
         self.redis = client
@@ -173,6 +178,8 @@ class RedisBus(Bus):
         self.reconnect_timeout_s = reconnect_timeout_s
         self.requests_key = f"{prefix}:requests"
         self.cancel_channel = f"{prefix}:cancel"
+        self.max_round_messages, self.round_watch_ttl_s = max_round_messages, round_watch_ttl_s
+        self.rounds_key, self.rounds_watched_key = f"{prefix}:rounds", f"{prefix}:rounds:watched"
         self._submit = client.register_script(_SUBMIT)
         self._claim = client.register_script(_CLAIM)
         self._publish = client.register_script(_PUBLISH)
@@ -396,6 +403,48 @@ class RedisBus(Bus):
         with _reaching("subscribe"):
             await pubsub.subscribe(self.cancel_channel)
         return _RedisCancelSubscription(pubsub)
+
+    # ---- the round view --------------------------------------------------------------------
+
+    async def watch_rounds(self) -> AsyncIterator[list[str]]:
+        last, marked_at = None, -float("inf")
+        while True:
+            try:
+                with _reaching("round view"):
+                    now = time.monotonic()
+                    if now - marked_at >= self.round_watch_ttl_s / 3:
+                        await self.redis.set(self.rounds_watched_key, "1", px=_ms(self.round_watch_ttl_s))
+                        marked_at = now
+                    if last is None:  # from now on: after the newest message there is
+                        newest = await self.redis.xrevrange(self.rounds_key, count=1)
+                        last = newest[0][0] if newest else "0-0"
+                    block = _ms(min(self.tail_block_s, self.round_watch_ttl_s / 3))
+                    response = await self.redis.xread({self.rounds_key: last}, count=512, block=block)
+            except BusUnavailable as e:
+                log.warning("round view: %s; retrying", e)
+                await asyncio.sleep(1.0)
+                continue
+            batch = []
+            for _, entries in response or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    batch.append(fields["m"])
+            if batch:
+                yield batch
+
+    async def rounds_watched(self) -> bool:
+        with _reaching("round view"):
+            return bool(await self.redis.exists(self.rounds_watched_key))
+
+    async def publish_rounds(self, messages: list[str]) -> None:
+        if not messages:
+            return
+        with _reaching("round view"):
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for m in messages:
+                    pipe.xadd(self.rounds_key, {"m": m}, maxlen=self.max_round_messages, approximate=True)
+                pipe.pexpire(self.rounds_key, _ms(max(self.finished_ttl_s, 60.0)))  # gone once nobody publishes
+                await pipe.execute()
 
 
 def _landed(error: str, event: OutputEvent) -> bool:

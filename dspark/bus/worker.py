@@ -28,6 +28,9 @@ The bus going away (BusUnavailable: Redis restarting) stops nothing: consuming i
 second, and a publish or ack retries by itself (RedisBus.reconnect_timeout_s) while the engine
 goes on; a request whose publish still fails stays pending and is re-claimed later.
 
+Round view: beside the requests, the worker relays its engine's round events to the bus while a
+gateway watches them (dspark/bus/round_relay.py; nothing at all while none does).
+
 Tracing: each request is served inside a `scheduler.request` span, the child of the span whose
 W3C traceparent the message carries (the gateway's), so one trace follows a request from the
 gateway through this worker into the engine's rounds (dspark/observability/tracing.py).
@@ -45,6 +48,7 @@ from opentelemetry.trace import SpanKind
 
 from dspark.bus.base import Bus, BusUnavailable, Delivery, LostOwnership
 from dspark.bus.messages import EventError, OutputEvent, OutputStats
+from dspark.bus.round_relay import relay_rounds
 from dspark.engine.async_engine import AsyncEngine, EngineError, RequestStream
 from dspark.engine.faults import continuation_params, continuation_seed
 from dspark.engine.speculative import GenerationRequest
@@ -88,6 +92,7 @@ async def run_worker(
     max_in_flight: int = 64,  # requests this worker holds at once; the rest stay on the bus for other workers
     block_s: float = 0.5,  # one blocking consume; also how quickly `stop` is noticed
     keep_alive_s: float | None = None,  # how often our requests' idle time is reset; None: claim_idle_s / 3
+    round_view: bool = True,  # relay the engine's rounds to the bus while a gateway watches (dspark/bus/round_relay.py)
 ) -> None:
     """Serve requests from `bus` on `engine` until `stop` is set (see the module docstring)."""
     if max_in_flight < 1:
@@ -99,6 +104,9 @@ async def run_worker(
         asyncio.create_task(_keep_alive(bus, consumer, jobs, stop, keep_alive_s or bus.claim_idle_s / 3),
                             name=f"{consumer}-keepalive"),
     ]
+    if round_view:
+        background.append(asyncio.create_task(relay_rounds(bus, engine.engine.round_feed, source=consumer, stop=stop),
+                                              name=f"{consumer}-rounds"))
     stopping = asyncio.create_task(stop.wait())
     try:
         while not stop.is_set():

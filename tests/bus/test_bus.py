@@ -194,3 +194,62 @@ async def _read_available(bus, rid: str) -> list[OutputEvent]:
 
     await read()
     return out
+
+
+# ---- the round view's channel ------------------------------------------------------------------
+
+
+async def next_batch(watch, timeout: float = 5.0) -> list[str]:
+    return await asyncio.wait_for(anext(watch), timeout)
+
+
+async def test_rounds_are_watched_while_a_gateway_watches_and_a_ttl_after(make_bus):
+    gateway, worker = make_bus(round_watch_ttl_s=0.6), make_bus(round_watch_ttl_s=0.6)
+    assert not await worker.rounds_watched()
+    got: list[str] = []
+
+    async def read() -> None:  # as the gateway's relay does: always waiting for the next batch
+        async for batch in gateway.watch_rounds():
+            got.extend(batch)
+
+    reader = asyncio.ensure_future(read())
+    await asyncio.sleep(0.2)
+    assert await worker.rounds_watched()
+    await worker.publish_rounds(['{"n": 1}', '{"n": 2}'])
+    await asyncio.sleep(0.8)  # past the TTL: the watcher keeps the flag alive
+    assert got == ['{"n": 1}', '{"n": 2}'] and await worker.rounds_watched()
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    deadline = asyncio.get_running_loop().time() + 3
+    while await worker.rounds_watched():
+        assert asyncio.get_running_loop().time() < deadline, "rounds still watched long after the last watcher left"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_watcher_gets_only_messages_published_after_it_started_in_order(make_bus):
+    gateway, worker = make_bus(), make_bus()
+    await worker.publish_rounds(["old"])
+    watch = gateway.watch_rounds()
+    reading = asyncio.ensure_future(next_batch(watch))
+    await asyncio.sleep(0.2)
+    await worker.publish_rounds([f"m{i}" for i in range(5)])
+    got = await reading
+    while len(got) < 5:
+        got += await next_batch(watch)
+    assert got == [f"m{i}" for i in range(5)]
+    await watch.aclose()
+
+
+async def test_the_round_channel_keeps_only_its_last_messages_for_a_slow_watcher(make_bus):
+    gateway, worker = make_bus(max_round_messages=10), make_bus(max_round_messages=10)
+    watch = gateway.watch_rounds()
+    reading = asyncio.ensure_future(next_batch(watch))
+    await asyncio.sleep(0.2)
+    await worker.publish_rounds(["first"])
+    assert await reading == ["first"]
+    for i in range(20):  # the watcher reads none of these meanwhile
+        await worker.publish_rounds([f"m{i}"])
+    got = await next_batch(watch)
+    assert got[-1] == "m19" and len(got) <= 20 and got == [f"m{i}" for i in range(20 - len(got), 20)]
+    assert len(got) < 20 or worker.__class__.__name__ == "RedisBus"  # memory: exactly the last 10; Redis trims about
+    await watch.aclose()
