@@ -44,6 +44,7 @@ PAGES = {"/ui": ("index.html", "text/html; charset=utf-8"), "/ui/app.js": ("app.
 OPEN_PATHS = tuple(PAGES)  # the static page: no key needed (the events are what is guarded)
 EVENTS_PATH = "/ui/events"
 KEEPALIVE_S = 10.0  # an SSE comment this often: proxies keep the stream open, a gone client is noticed
+SOURCE_FRESH_S = 15.0  # a scheduler's announcement is passed on to a new page for this long (they come every 5 s)
 _DROPPED = object()
 
 
@@ -105,6 +106,7 @@ class RoundRelay:
         self._pages: set[_Page] = set()
         self._task: asyncio.Task | None = None
         self._profiles: collections.OrderedDict[str, str] = collections.OrderedDict()  # key -> message, newest last
+        self._sources: dict[str, tuple[float, str]] = {}  # source -> (monotonic time, its last announcement)
         self._texts: collections.OrderedDict[tuple[str, str], _IncrementalText] = collections.OrderedDict()
         self._token_text: dict[int, str] = {}
         self.dropped_pages = 0
@@ -118,9 +120,11 @@ class RoundRelay:
         return len(self._pages)
 
     def open(self) -> _Page:
-        """A new page: gets the known SPS profiles first, then every message relayed from now on."""
+        """A new page: gets the known SPS profiles and the schedulers announced lately first, then
+        every message relayed from now on."""
         page = _Page(self.page_queue)
-        for message in self._profiles.values():
+        now = time.monotonic()
+        for message in [*self._profiles.values(), *(m for t, m in self._sources.values() if now - t < SOURCE_FRESH_S)]:
             page.offer(message)
         self._pages.add(page)
         if not self.running:
@@ -136,6 +140,7 @@ class RoundRelay:
             self._task.cancel()  # the bus stops seeing this gateway watch: the schedulers stop publishing
             self._task = None
             self._texts.clear()  # a later relay starts over: its requests' text from what it sees
+            self._sources.clear()  # and hears the schedulers announce themselves again
 
     async def _run(self) -> None:
         while True:
@@ -159,6 +164,8 @@ class RoundRelay:
         except (ValueError, TypeError, KeyError) as e:
             log.warning("skipping a malformed round message: %s", e)
             return
+        if message.get("type") == "source":
+            self._sources[str(message["source"])] = (time.monotonic(), text)
         if message.get("type") == "sps":
             self._profiles[message["key"]] = text
             self._profiles.move_to_end(message["key"])

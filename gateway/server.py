@@ -171,8 +171,8 @@ def serve(
     gateway = embedded_gateway(engine, tokenizer, model_name=name, api_keys=keys, max_tokens_limit=max_tokens_limit,
                                rate_limiter=MemoryRateLimiter(rate_limits), max_body_bytes=limits.max_body_bytes,
                                max_prompt_tokens=limits.max_prompt_tokens or None)
-    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d%s; %s)", name, host, port, drafter, gamma,
-             f", {len(keys.ids)} API keys required" if keys else "", rate_limits.describe())
+    log.info("serving %s on http://%s:%d/v1 (drafter %s, gamma %d%s; %s); the round view on http://%s:%d/ui", name, host,
+             port, drafter, gamma, f", {len(keys.ids)} API keys required" if keys else "", rate_limits.describe(), host, port)
     try:
         uvicorn.Server(uvicorn_config(gateway.app, limits=limits, host=host, port=port, log_level=log_level)).run()
     finally:

@@ -5,6 +5,7 @@
     memory_bus.py  in-process implementation (embedded mode, `dspark serve`)
     redis_bus.py   Redis Streams implementation (distributed mode, `dspark gateway --redis URL`)
     worker.py      the scheduler-side loop: bus requests in, AsyncEngine, output events out
+    round_relay.py the engine's round events onto the bus while a gateway's round view watches
 
 Exactly-once output per request rests on epoch fencing and offsets (see base.py) and on the
 worker continuing a re-claimed request from the tokens already published (see worker.py).

@@ -85,7 +85,7 @@ async function follow() {
     }
     delay = 500;
     setStatus("live", "live");
-    for (const s of state.sources.values()) s.lastRound = null;  // rounds missed while away are not gaps of a source
+    state.sources.clear();  // the schedulers relaying to this connection announce themselves on it
     try {
       for await (const data of sseData(response)) onMessage(JSON.parse(data));
     } catch (e) {

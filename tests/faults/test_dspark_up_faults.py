@@ -220,3 +220,42 @@ def test_a_redis_restart_is_ridden_out_by_gateway_and_scheduler(up, greedy, faul
     streams, at_fault = stream_through(up, restart_redis)
     check_and_record(fault_ledger, "Redis restarted (append-only file)", streams, at_fault, greedy)
     assert up.process.poll() is None and up.reports.empty()  # nothing had to be restarted
+
+
+def test_the_round_view_follows_the_scheduler_processs_rounds_over_redis(up, greedy):
+    """The distributed round view: the gateway's /ui/events carries the scheduler process's rounds
+    (relayed onto Redis while the page watches), token for token what the client received."""
+    root = f"http://127.0.0.1:{up.ports['gateway']}"
+
+    async def main() -> tuple[list[dict], Streamed]:
+        messages: list[dict] = []
+
+        async def watch(client: httpx.AsyncClient) -> None:
+            async with client.stream("GET", f"{root}/ui/events") as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        messages.append(json.loads(line[6:]))
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+            page = asyncio.create_task(watch(client))
+            deadline = time.monotonic() + 60
+            while not any(m["type"] == "source" for m in messages):  # the scheduler relays from now on
+                assert time.monotonic() < deadline and not page.done(), f"no scheduler announced itself: {messages}"
+                await asyncio.sleep(0.1)
+            streamed = await stream_completion(client, up.base_url, model=up.model, prompt_ids=PROMPTS[1], max_tokens=32)
+            while not any(r["finish_reason"] for m in messages if m["type"] == "round" for r in m["requests"]):
+                assert time.monotonic() < deadline, "the request's last round did not reach the page"
+                await asyncio.sleep(0.1)
+            page.cancel()
+            await asyncio.gather(page, return_exceptions=True)
+        return messages, streamed
+
+    messages, streamed = asyncio.run(main())
+    (source,) = {m["source"] for m in messages if m["type"] == "source"}
+    assert source.startswith("scheduler-")
+    rounds = [m for m in messages if m["type"] == "round"]
+    assert {m["source"] for m in rounds} == {source}
+    mine = [r for m in rounds for r in m["requests"]]  # the only request in flight
+    assert [t for r in mine for t in r["emitted"]] == streamed.token_ids == greedy[1][:32]
+    assert sum(r["admitted"] for r in mine) == streamed.speculative["draft_tokens"] > 0
