@@ -161,14 +161,21 @@ function onRound(m) {
   const summary = {
     id: m.round_id, source: m.source || "", time: m.time, R: m.requests.length, B: m.batch_tokens, decoding, sumEll,
     accepted, emitted, emittedDecode, running: m.running, theta: m.schedule ? m.schedule.thetas[m.schedule.admitted] : null,
-    stop: !m.drafting ? "gate: no drafts" : m.schedule ? m.schedule.stop : "–", draftMs: m.draft_s * 1000,
+    stop: stopText(m), draftMs: m.draft_s * 1000,
     verifyMs: m.verify_s * 1000, scheduleMs: m.schedule_s * 1000,
   };
   state.rounds.push(summary);
   if (state.rounds.length > HISTORY) state.rounds.shift();
   addRoundRow(summary);
   state.lastRound = m;
-  if (m.schedule) state.lastScheduled = m;
+  if (m.schedule && m.requests.some((r) => r.drafted.length)) state.lastScheduled = m;  // a round with drafts to schedule
+}
+
+function stopText(m) {
+  // Why Algorithm 1 stopped admitting; what the draft gate did when it skipped the drafter's model.
+  const stop = m.schedule ? m.schedule.stop : "–";
+  if (m.drafting) return stop;
+  return m.requests.some((r) => r.drafted.length) ? `${stop} (gate: lookups only)` : "gate: no drafts";
 }
 
 function newRequest(id, m) {
@@ -266,7 +273,8 @@ function renderCard(q) {
   r.drafted.forEach((_, j) => {
     if (j === r.admitted) row.append(Object.assign(document.createElement("span"), { className: "ell", title: `ℓ = ${r.admitted}` }));
     if (cut === j + 1) row.append(Object.assign(document.createElement("span"), { className: "cut", textContent: "✂", title: "the break: admitting this draft would not raise Θ" }));
-    const cls = j < r.accepted ? "accepted" : j < r.admitted ? (j === r.accepted ? "rejected" : "beyond") : "beyond";
+    // accepted | the first rejected | verified but after the rejection | beyond ℓ_r: never verified
+    const cls = j < r.accepted ? "accepted" : j === r.accepted && j < r.admitted ? "rejected" : j < r.admitted ? "discarded" : "beyond";
     const el = chip(`draft ${cls}`, r.drafted_text[j]);
     if (r.confidences.length) {
       el.style.background = confidenceColor(r.confidences[j]);

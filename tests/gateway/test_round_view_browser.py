@@ -265,11 +265,15 @@ def test_every_round_on_the_page_is_the_engines_round_and_the_sps_panel_its_last
                 assert row["theta"] == "–", row
             else:  # shown to 0.1 tok/s (JavaScript's rounding: compare the number)
                 assert float(row["theta"]) == pytest.approx(e.schedule.theta, abs=0.051), row
-            assert row["stop"] == ("gate: no drafts" if not e.drafting else e.schedule.stop if e.schedule else "–"), row
+            stop = e.schedule.stop if e.schedule else "–"
+            if not e.drafting:
+                stop = f"{stop} (gate: lookups only)" if any(r.drafted for r in e.requests) else "gate: no drafts"
+            assert row["stop"] == stop, row
             assert float(row["verify"]) == pytest.approx(e.verify_s * 1000, abs=0.051)
             stops.add(row["stop"])
         assert "break" in stops, stops  # Algorithm 1's break fired on rounds the page shows
-        last = recorder.events[max(i for i, e in recorder.events.items() if e.schedule is not None)]
+        last = recorder.events[max(i for i, e in recorder.events.items()  # the SPS panel: the last round with drafts scheduled
+                                   if e.schedule is not None and any(r.drafted for r in e.requests))]
         caption = page.inner_text("#sps-caption")
         shown_theta = float(caption.split("Θ = ")[1].split(" tok/s")[0])
         assert f"B = {last.batch_tokens} " in caption and shown_theta == pytest.approx(last.schedule.theta, abs=0.051), caption
