@@ -376,7 +376,7 @@ class SpeculativeEngine:
             self._release(finished)
         detail = None
         if observed.watched:  # the round feed's view, built only while someone watches
-            detail = lambda: RoundDetail(  # noqa: E731  (called by the observer, which logs any failure)
+            detail = lambda: RoundDetail(  # called by the observer, which logs any failure
                 requests=self._request_rounds(decoding, drafted, draft_of, num_accepted, outputs), schedule=trace,
                 sps_profile=self.sps_profile, running=len(self.running), drafting=drafting,
                 policy=self.policy.spec if self.policy is not None else None)
