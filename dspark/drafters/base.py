@@ -38,6 +38,9 @@ class DraftProposal:
     probs: torch.Tensor | None = None  # [num_draft, k] fp32, rows sum to 1
     dense_probs: torch.Tensor | None = None  # [num_draft, vocab] fp32, rows sum to 1
     confidences: torch.Tensor | None = None  # [num_draft] calibrated conditional c_k, if the drafter has them
+    # True: drafting it cost next to nothing (a lookup in the context, not a model forward); the
+    # draft gate, which decides whether the model drafts at all, learns from the other proposals
+    free: bool = False
 
     def __post_init__(self) -> None:
         if (self.dense_probs is None) == (self.prob_ids is None or self.probs is None):
@@ -66,7 +69,7 @@ class DraftProposal:
             return self
         cut = lambda t: None if t is None else t[:length]  # noqa: E731
         return DraftProposal(token_ids=self.token_ids[:length], prob_ids=cut(self.prob_ids), probs=cut(self.probs),
-                             dense_probs=cut(self.dense_probs), confidences=cut(self.confidences))
+                             dense_probs=cut(self.dense_probs), confidences=cut(self.confidences), free=self.free)
 
     def dense(self, vocab_size: int) -> torch.Tensor:  # [num_draft, vocab] fp32
         if self.dense_probs is not None:

@@ -166,6 +166,7 @@ class LookupDrafter:
                 if req.free_only or expected_accepted(conf) >= self.model_expected:
                     proposal = DraftProposal.point_mass(cont)
                     proposal.confidences = torch.from_numpy(conf).float()
+                    proposal.free = True  # a suffix search: the draft gate weighs the model's proposals only
                     out[i] = proposal
                     self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
                     self.lookup_proposals += 1

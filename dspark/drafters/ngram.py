@@ -48,7 +48,9 @@ class NgramDrafter:
                 continue
             tokens = np.asarray(req.token_ids, dtype=np.int64)
             draft = find_ngram_continuation(tokens, min_n=self.min_n, max_n=self.max_n, k=req.max_draft_tokens)
-            out.append(DraftProposal.point_mass(draft) if draft else DraftProposal.empty())
+            proposal = DraftProposal.point_mass(draft) if draft else DraftProposal.empty()
+            proposal.free = True  # a search in the context, no model forward
+            out.append(proposal)
         return out
 
     def remove_request(self, request_id: str) -> None:

@@ -318,6 +318,8 @@ class SpeculativeEngine:
             else:
                 proposals = [DraftProposal.empty() for _ in decoding]
             t_draft = time.perf_counter() - t_draft
+        # the requests the model drafted for (not a free lookup): what the draft gate learns from
+        model_drafted = [s for s, p in zip(decoding, proposals) if len(p) and not p.free] if drafting else []
         with observed.phase("schedule"):
             if self.policy is not None and decoding:
                 prefilling = [s for s in states if not s.prefilled]
@@ -335,10 +337,11 @@ class SpeculativeEngine:
         num_accepted = verified.result.num_accepted.tolist()
         tokens = verified.result.output_token_ids.tolist()
         self.counters.steps += 1
-        if drafting and self.draft_gate is not None and decoding:
-            self.draft_gate.record(num_requests=len(decoding), draft_seconds=t_draft,
-                                   verified=sum(len(draft_of[s.request.request_id]) for s in decoding),
-                                   accepted=sum(a for s, a in zip(states, num_accepted) if s.prefilled))
+        if self.draft_gate is not None and model_drafted:
+            accepted_of = {s.request.request_id: a for s, a in zip(states, num_accepted)}
+            ids = [s.request.request_id for s in model_drafted]
+            self.draft_gate.record(num_requests=len(ids), draft_seconds=t_draft,
+                                   verified=sum(len(draft_of[rid]) for rid in ids), accepted=sum(accepted_of[rid] for rid in ids))
         if self.drafter_needs_hidden:  # positions now verified: the whole prompt, or x_0..x_a
             self._hand_over_features(states, verified.hidden_states, verified.num_hidden_positions)
 
