@@ -57,6 +57,7 @@ class RemoteDrafter:
         self.provides_confidences: bool = info.provides_confidences
         self.vocab_size: int = info.vocab_size
         self.hidden_size: int = info.hidden_size
+        self.free_proposals: bool = info.free_proposals  # proposes lookups on rounds the draft gate skips
         self._known_tokens: dict[str, int] = {}  # request -> tokens the service holds (it keeps the sequence)
         self._round = 0
 

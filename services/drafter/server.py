@@ -128,7 +128,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return drafter_pb2.DrafterInfo(
                 name=self.drafter.name, needs_hidden_states=self.needs_hidden, capture_layers=list(self.capture_layers),
                 provides_confidences=bool(getattr(self.drafter, "provides_confidences", False)), vocab_size=self.vocab_size,
-                hidden_size=self.hidden_size,
+                hidden_size=self.hidden_size, free_proposals=bool(getattr(self.drafter, "free_proposals", False)),
             )
 
     def _check_features(self, request_id: str, num_tokens: int) -> None:
