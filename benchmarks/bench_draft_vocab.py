@@ -28,8 +28,9 @@ from bench_drafter import median_ms
 from common import print_table
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint, transfer_weights
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.sampling.params import SamplingParams
 from dspark.training.anchors import plan_batches, sample_batch

@@ -49,7 +49,8 @@ def test_generate_json_reports_text_tokens_and_speculation_statistics(capsys, re
 def test_generate_with_a_dspark_checkpoint_at_temperature_0_equals_plain_decoding(capsys, tmp_path, real_model_dir):
     from dspark.drafters.dspark.checkpoint import save_checkpoint
     from dspark.drafters.dspark.config import DSparkConfig
-    from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+    from dspark.drafters.dspark.model import DSparkDrafter
+    from dspark.drafters.shared import SharedWeights
     from dspark.model.config import ModelConfig
     from dspark.model.target_runtime import default_capture_layers
     from dspark.model.transformer import Transformer

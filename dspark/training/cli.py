@@ -84,7 +84,7 @@ def _resolve_precision(precision: str) -> str:
 
 
 def cmd_train(args) -> int:
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.target_cache import TargetCache
     from dspark.training.trainer import TrainConfig, train
 
@@ -117,7 +117,7 @@ def cmd_train(args) -> int:
 
 def cmd_heldout(args) -> int:
     """Evaluate a trained drafter checkpoint on a cache's held-out split (what training logs at its end)."""
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.heldout import evaluate_heldout
     from dspark.training.target_cache import TargetCache
     from dspark.training.trainer import ALGORITHMS
@@ -151,7 +151,7 @@ def _cmd_runs(args) -> int:
 def cmd_calibrate(args) -> int:
     from dspark.calibration.collect import calibrate, collect_acceptance
     from dspark.drafters.dspark.checkpoint import load_checkpoint
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.target_cache import TargetCache
 
     cache = TargetCache(args.cache)
@@ -181,7 +181,7 @@ def cmd_export(args) -> int:
     """Re-store a DSpark checkpoint (e.g. bf16 to ship it in half the bytes), STS temperatures included."""
     from dspark.drafters.dspark.checkpoint import export_checkpoint
     from dspark.drafters.dspark.config import DSparkConfig
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.model.model_store import resolve_model_dir
     from dspark.model.transformer import Transformer
 

@@ -58,9 +58,10 @@ from dspark.drafters.dflash.config import DFlashConfig
 from dspark.drafters.dflash.model import DFlashDrafter
 from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint, transfer_weights
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import TrainBatch, plan_batches, sample_batch
 from dspark.training.draft_vocab import frequent_tokens

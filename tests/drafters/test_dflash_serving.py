@@ -15,7 +15,8 @@ from dspark.drafters import drafter_capture_layers, make_drafter
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, save_checkpoint
 from dspark.drafters.dflash.serving import DFlashServingDrafter
-from dspark.drafters.dspark.model import BlockBatch, DraftBlock, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch, DraftBlock
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs

@@ -18,8 +18,9 @@ import torch
 from dspark.drafters.base import DraftProposal
 from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint, transfer_weights
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import BlockBatch, DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch, DSparkDrafter
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
 from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs

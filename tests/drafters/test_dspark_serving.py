@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
 from tests.drafters.engine_checks import (

@@ -14,9 +14,10 @@ import torch
 
 from dspark.drafters import drafter_capture_layers, make_drafter
 from dspark.drafters.base import DraftRequest
-from dspark.drafters.dspark.model import BlockBatch, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_checkpoint
 from dspark.drafters.eagle3.serving import Eagle3ServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs

@@ -56,8 +56,9 @@ from torch import nn
 from dspark.drafters import make_drafter
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dflash import DFlashDrafter
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.eagle3 import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.sampling.params import SamplingParams
 from dspark.training.anchors import TrainBatch, build_batch
 from dspark.training.target_cache import TargetCache

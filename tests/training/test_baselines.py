@@ -17,8 +17,8 @@ import torch
 
 from dspark.drafters import make_drafter
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter
-from dspark.drafters.dspark import SharedWeights
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import build_batch
 from dspark.training.trainer import ALGORITHMS, TrainConfig, read_metrics, train

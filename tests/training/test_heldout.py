@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from dspark.drafters.dspark import SharedWeights
+from dspark.drafters.shared import SharedWeights
 from dspark.training.anchors import sample_batch
 from dspark.training.heldout import EVAL_EPOCH, evaluate_heldout
 from dspark.training.losses import target_probs_from_hidden

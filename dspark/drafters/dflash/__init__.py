@@ -2,7 +2,6 @@
 
     config.py      DFlashConfig (flat, frozen, JSON with "algo": "dflash", `from_target`, `tiny`)
     model.py       DFlashDrafter: [x_0, mask × γ] -> γ independent distributions, no heads
-    sampling.py    draw_tokens / to_proposal: per-position sampling with the exact rows (shared with EAGLE-3)
     checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON), the baselines' checkpoint I/O
     serving.py     DFlashServingDrafter: the engine's Drafter (context K/V cache per request)
 

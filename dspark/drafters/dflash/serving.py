@@ -18,9 +18,8 @@ import torch
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dflash.checkpoint import load_checkpoint
 from dspark.drafters.dflash.model import DFlashDrafter
-from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
-from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights, draw_tokens, is_truncated, to_proposal
 from dspark.model.transformer import Transformer
 
 

@@ -28,13 +28,12 @@ from dspark.drafters.dspark.model import (
     BlockBatch,
     DraftBlock,
     DSparkDrafter,
-    SharedWeights,
     TeacherForcedOutput,
     block_attention_mask,
 )
 
 __all__ = [
     "BlockBatch", "ConfidenceHead", "DSparkConfig", "DSparkDrafter", "DraftBlock", "DraftSample",
-    "DrafterCheckpoint", "MarkovHead", "RNNHead", "SharedWeights", "TeacherForcedOutput",
+    "DrafterCheckpoint", "MarkovHead", "RNNHead", "TeacherForcedOutput",
     "block_attention_mask", "load_checkpoint", "sample_sequential", "save_checkpoint",
 ]

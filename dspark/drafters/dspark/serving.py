@@ -24,7 +24,8 @@ from dspark.drafters import serving_gemms
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint
 from dspark.drafters.dspark.heads import sample_sequential
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.transformer import Transformer
 
 

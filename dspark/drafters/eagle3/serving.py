@@ -23,10 +23,9 @@ import torch
 
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters import serving_gemms
-from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
-from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.eagle3.checkpoint import load_checkpoint
 from dspark.drafters.eagle3.model import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights, draw_tokens, is_truncated, to_proposal
 from dspark.model.transformer import Transformer
 
 
