@@ -192,7 +192,7 @@ def run_offline_eval(
             runtime = None  # free the previous target before loading another
             runtime, runtime_layers = load_runtime(layers), layers
         drafter = make_drafter(spec.name, runtime=runtime, path=spec.path)
-        block = getattr(drafter, "block_size", None)
+        block = drafter.spec.block_size if drafter is not None else None
         for temperature in config.temperatures:
             for requested in config.gammas:
                 gamma = requested if block is None else min(requested, int(block))

@@ -112,8 +112,8 @@ def test_dspark_lookup_loads_a_dspark_checkpoint_by_name(tiny_runtime_factory, t
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     save_checkpoint(tmp_path / "ckpt", drafter=make_serving_drafter(runtime).model)
     drafter = make_drafter("dspark-lookup", runtime=runtime, path=tmp_path / "ckpt")
-    assert isinstance(drafter, LookupDrafter) and drafter.name == "dspark-lookup" and drafter.model.name == "dspark"
-    assert drafter_capture_layers("dspark-lookup", tmp_path / "ckpt") == (1, 3) == drafter.capture_layers
+    assert isinstance(drafter, LookupDrafter) and drafter.spec.name == "dspark-lookup" and drafter.model.spec.name == "dspark"
+    assert drafter_capture_layers("dspark-lookup", tmp_path / "ckpt") == (1, 3) == drafter.spec.capture_layers
     with pytest.raises(ValueError, match="unknown drafter"):
         make_drafter("ngram-lookup")
 

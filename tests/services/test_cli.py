@@ -79,7 +79,7 @@ def test_the_build_functions_load_a_model_by_path_and_the_verifier_profiles_sps(
     remote = RemoteVerifier(serve.verifier(verifier, model=config.model.name))
     assert remote.sps_profile == verifier.sps_profile and remote.model == str(tiny_model_dir)
     drafter, vocab, hidden = build_drafter(config)
-    assert drafter.name == "ngram" and (vocab, hidden) == (256, 64)
+    assert drafter.spec.name == "ngram" and (vocab, hidden) == (256, 64)
 
 
 def _free_ports(n: int) -> list[int]:

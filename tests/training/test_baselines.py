@@ -162,7 +162,7 @@ def test_the_final_checkpoint_is_what_make_drafter_serves(cache, target, tmp_pat
     assert config["algo"] == algo and tuple(config["target_layer_ids"]) == cache.capture_layers
     runtime = make_tiny_runtime(capture_layers=CAPTURE, compute_dtype=torch.float32)  # the cache's target (seed 0)
     drafter = make_drafter(algo, runtime=runtime, path=result.final_dir)
-    assert type(drafter).__name__ == cls and drafter.block_size == 4
+    assert type(drafter).__name__ == cls and drafter.spec.block_size == 4
 
 
 def test_eagle3_is_a_one_layer_drafter():
