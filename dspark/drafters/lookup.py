@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DraftProposal, DraftRequest
 from dspark.drafters.ngram import find_ngram_continuation
 
 

@@ -4,8 +4,11 @@
     model.py       DSparkDrafter, BlockBatch / DraftBlock, the leakage-rule attention mask
     heads.py       MarkovHead, RNNHead, ConfidenceHead, sample_sequential (exact draft rows)
     checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON, never pickle)
+    serving.py     DSparkServingDrafter: the engine's Drafter (context K/V cache per request)
+    objective.py   DSparkObjective: `dspark train --algo dspark` (the losses of dspark.training.losses)
+    family.py      its entry in the drafter registry (dspark/drafters/registry.py)
 
-Training losses live in dspark.training.losses, STS calibration in dspark.calibration.sts.
+STS calibration lives in dspark.calibration.sts.
 Tests: python -m pytest tests/drafters/test_dspark_model.py -q
 """
 
