@@ -443,7 +443,11 @@ def _small_batch(batch_of) -> RejectionBatch:
 
 
 def test_the_small_valid_batch_is_accepted(batch_of):
-    rejection_sample(_small_batch(batch_of))
+    """The batch every malformed case below breaks in one way is itself valid."""
+    result = rejection_sample(_small_batch(batch_of))
+    n_acc = int(result.num_accepted[0])
+    assert result.output_token_ids.shape == (1, 3) and 0 <= n_acc <= 2
+    assert result.output_token_ids[0, :n_acc].tolist() == [1, 2][:n_acc] and 0 <= result.output_token_ids[0, n_acc] < 3
 
 
 def _dense(*rows: list[float]) -> DraftProbs:
