@@ -53,6 +53,15 @@ def test_a_bad_configuration_is_an_error_message_not_a_traceback(monkeypatch, ca
     assert "verifier.port must be an integer" in capsys.readouterr().err
 
 
+def test_the_verifier_refuses_the_triton_sampler_on_a_cpu_runtime_before_loading_the_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    missing = tmp_path / "no-model-here"  # never read: the refusal comes first
+    assert main(["verifier", "--sampler-backend", "triton", "--model", str(missing), "--sps-max-batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: sampler_backend 'triton' runs the fused kernel on CUDA tensors" in err and "use 'auto' or 'torch'" in err
+    assert str(missing) not in err
+
+
 def test_up_starts_the_gateway_over_the_bus_only_when_a_redis_url_is_configured(tmp_path):
     from services.cli import _gateway_command
 
