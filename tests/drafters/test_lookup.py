@@ -137,8 +137,8 @@ def test_greedy_output_with_lookups_equals_plain_decoding(tiny_runtime_factory, 
 
     plain, spec_states = generate(None, None), generate(drafter, policy)
     assert [s.output_ids for s in spec_states] == [s.output_ids for s in plain]
-    drafted, _ = totals(spec_states)
-    assert drafted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
+    drafted, accepted = totals(spec_states)
+    assert drafted > 0 and accepted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
     assert runtime.kv.reserved_tokens == 0
 
 
