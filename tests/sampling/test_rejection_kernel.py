@@ -24,6 +24,8 @@ from dspark.sampling import SamplingParams, logits_to_probs, rejection_sample
 from dspark.sampling.rejection_sampler import prepare_batch, rejection_sample_reference
 from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, rounding_vocab
 
+pytestmark = pytest.mark.processes  # without TRITON_INTERPRET=1 the kernel tests run in a child pytest
+
 _CHILD_FLAG = "DSPARK_REJECTION_KERNEL_TEST_CHILD"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -102,6 +102,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_up_starts_the_services_serves_plain_greedy_tokens_and_stops_them_on_ctrl_c(tiny_model_dir, tiny_runtime):
     from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
     from dspark.sampling.params import SamplingParams

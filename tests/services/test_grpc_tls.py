@@ -258,6 +258,7 @@ def test_a_service_with_a_missing_tls_file_exits_with_the_message_before_loading
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_up_with_the_tls_files_runs_every_call_over_mutual_tls(tiny_model_dir, pki):
     from tests.services.test_cli import ROOT, _free_ports
 
