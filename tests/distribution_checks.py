@@ -55,7 +55,8 @@ def exact_sequence_probs(runtime, prompt: list[int], num_tokens: int, *, tempera
         tokens = torch.tensor([t for p in prefixes for t in prompt + list(p)])
         last_rows = torch.arange(1, len(prefixes) + 1) * length - 1
         logits = runtime.forward(ids, tokens, [length] * len(prefixes), logits_indices=last_rows).logits
-        step = torch.stack([reference_probs(row, temperature=temperature, top_k=top_k, top_p=top_p) for row in logits])  # [num_prefixes, vocab]
+        step = torch.stack([reference_probs(row, temperature=temperature, top_k=top_k, top_p=top_p)
+                            for row in logits])  # [num_prefixes, vocab]
         for rid in ids:
             runtime.free_request(rid)
         probs = {p + (v,): probs[p] * float(step[i, v]) for i, p in enumerate(prefixes) for v in range(step.shape[1]) if step[i, v] > 0}
