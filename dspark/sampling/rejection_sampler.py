@@ -16,8 +16,8 @@ verifier renormalises each row before using it: a row whose fp32 sum is off by r
 ~2e-5 for a dense softmax over 150k tokens) is then exactly the distribution x_k came from.
 A request draws exactly ONE categorical token per round (the residual or the bonus), by the
 exponential race argmax_v w(v) / E_r(v) with E_r ~ iid Exp(1): the winner of that race is
-distributed as w / sum(w) without normalising w. Both backends
-evaluate the same fp32 expressions on the same random numbers, so they agree exactly.
+distributed as w / sum(w) without normalising w. Both backends evaluate the same fp32
+expressions on the same random numbers, so they agree exactly.
 Temperature 0 (greedy): accept while x_k == argmax of the target logits (ties: lowest id), then
 emit that argmax.
 
