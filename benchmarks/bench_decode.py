@@ -22,11 +22,14 @@ from dspark.model.tokenizer import Tokenizer
 from dspark.sampling.params import SamplingParams
 
 
-def run_engine(engine: SpeculativeEngine, prompt_ids: list[list[int]], max_tokens: int, eos) -> tuple[float, int, float]:
-    """Requests one at a time (single-user latency). Returns seconds, tokens, mean τ."""
+def run_engine(engine: SpeculativeEngine, prompt_ids: list[list[int]], max_tokens: int, eos,
+               temperature: float = 0.0) -> tuple[float, int, float]:
+    """Requests one at a time (single-user latency); sampled ones seeded by their index. Returns
+    seconds, tokens, mean τ."""
     seconds, tokens, taus = 0.0, 0, []
     for i, ids in enumerate(prompt_ids):
-        req = GenerationRequest(f"b{i}", ids, max_tokens, SamplingParams(temperature=0.0), stop_token_ids=frozenset())
+        params = SamplingParams(temperature=temperature, seed=i if temperature > 0 else None)
+        req = GenerationRequest(f"b{i}", ids, max_tokens, params, stop_token_ids=frozenset())
         t0 = time.perf_counter()
         (state,) = engine.generate([req])
         seconds += time.perf_counter() - t0
@@ -35,14 +38,15 @@ def run_engine(engine: SpeculativeEngine, prompt_ids: list[list[int]], max_token
     return seconds, tokens, sum(taus) / len(taus)
 
 
-def run_hf(model, prompt_ids: list[list[int]], max_tokens: int, **kwargs) -> tuple[float, int]:
+def run_hf(model, prompt_ids: list[list[int]], max_tokens: int, temperature: float = 0.0, **kwargs) -> tuple[float, int]:
     seconds, tokens = 0.0, 0
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {"do_sample": False}
     for ids in prompt_ids:
         x = torch.tensor([ids])
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id, **kwargs)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, pad_token_id=model.config.eos_token_id, **sampling, **kwargs)
         seconds += time.perf_counter() - t0
         tokens += out.shape[1] - x.shape[1]
     return seconds, tokens

@@ -28,15 +28,16 @@ from bench_drafter import median_ms
 from common import print_table
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint, transfer_weights
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.registry import family
+from dspark.drafters.shared import SharedWeights
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.sampling.params import SamplingParams
 from dspark.training.anchors import plan_batches, sample_batch
 from dspark.training.draft_vocab import coverage, frequent_tokens
 from dspark.training.heldout import evaluate_heldout
 from dspark.training.target_cache import TargetCache
-from dspark.training.trainer import ALGORITHMS
 
 
 def drafting_ms(model: DSparkDrafter, *, requests: int, temperature: float, context: int, repeats: int) -> float:
@@ -53,12 +54,12 @@ def drafting_ms(model: DSparkDrafter, *, requests: int, temperature: float, cont
 def train_step_ms(model: DSparkDrafter, cache: TargetCache, *, repeats: int) -> float:
     seqs = plan_batches(cache, cache.indices("train"), batch_seqs=4, seed=0, epoch=0)[0]
     batch = sample_batch(cache, seqs, anchors_per_seq=16, block_size=model.config.block_size, seed=0, epoch=0)
-    algo = ALGORITHMS["dspark"]
+    objective = family("dspark").objective
     model.train()
 
     def step():
         model.zero_grad(set_to_none=True)
-        algo.loss(model, batch).total.backward()
+        objective.loss(model, batch).total.backward()
 
     out = median_ms(step, repeats)
     model.eval()
@@ -90,7 +91,7 @@ def main() -> None:
         cfg = dataclasses.replace(source.config, draft_vocab_size=None if n == source.config.vocab_size else n)
         model = DSparkDrafter(cfg, shared=shared, draft_to_target=None if cfg.draft_vocab_size is None else d2t).eval()
         transfer_weights(source, model)
-        held = evaluate_heldout(ALGORITHMS["dspark"], model, eval_cache, split="heldout", block_size=cfg.block_size,
+        held = evaluate_heldout(family("dspark").objective, model, eval_cache, split="heldout", block_size=cfg.block_size,
                                 anchors_per_seq=16, batch_seqs=4, max_sequences=args.max_sequences)
         nan = float("nan")
         draft = {f"draft_ms_r{r}_t{t:g}": nan if args.no_timing else

@@ -20,8 +20,9 @@ import torch
 from common import print_table
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.sampling.params import SamplingParams
 

@@ -5,6 +5,12 @@ prompts, same machine, one run.
     python benchmarks/bench_peers.py --benchmarks gsm8k,humaneval,mt-bench --prompts 4 --max-tokens 96 \\
         --repeats 3 --drafter-path runs/dspark/final --csv docs/results/peers.csv
 
+llama.cpp (through `llama-cpp-python`, plain decoding, --llama-threads threads) runs when the
+package is installed and a GGUF of the same weights exists (--gguf, default: the bf16 file
+scripts/make_gguf.sh writes); otherwise its row is left out with a note saying how to get it.
+It is fed the same prompt token ids (our chat template) and generates exactly --max-tokens
+tokens greedily (top-k 1, no repetition penalty).
+
 One request at a time (single-user latency), every request generating exactly --max-tokens new
 tokens (no early stop) so that every decoder does the same work. Ratios are taken within each
 repeat (same machine state) against ours with no drafter, and the median over repeats is
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +39,7 @@ from dspark.model.tokenizer import Tokenizer
 from dspark.profiling.sps import profile_sps
 from dspark.scheduling.policies import parse_policy
 
-CSV_COLUMNS = ("decoder", "tokens_per_s", "x_ours_none", "accepted_length", "benchmarks", "prompts", "max_tokens", "repeats")
+CSV_COLUMNS = ("decoder", "tokens_per_s", "x_ours_none", "accepted_length", "benchmarks", "prompts", "max_tokens", "temperature", "repeats")
 
 
 def dspark_engine(runtime: TargetRuntime, path: str, *, gamma: int, policy: str, drafter: str = "dspark") -> SpeculativeEngine:
@@ -44,6 +51,39 @@ def dspark_engine(runtime: TargetRuntime, path: str, *, gamma: int, policy: str,
     if policy_obj is not None and policy_obj.needs_sps_profile:  # as `dspark generate` and `dspark serve` do
         engine.sps_profile = profile_sps(runtime, max_batch=2 * (gamma + 1), tokens_per_request=gamma + 1)
     return engine
+
+
+def default_gguf_path(model_dir: Path) -> Path:
+    """Where scripts/make_gguf.sh writes the bf16 GGUF of a model directory."""
+    return Path.home() / ".cache" / "dspark" / "gguf" / f"{Path(model_dir).name}-bf16.gguf"
+
+
+def load_llama_cpp(gguf: Path, *, threads: int):
+    """A llama.cpp model, or (None, why not) when the package or the file is missing."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None, "llama-cpp-python is not installed (pip install llama-cpp-python: builds from source, ~12 min on 2 cores)"
+    if not gguf.is_file():
+        return None, f"no GGUF at {gguf} (bash scripts/make_gguf.sh writes a bf16 one of the default model)"
+    return Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False), None
+
+
+def run_llama(llm, prompt_ids: list[list[int]], max_tokens: int, temperature: float = 0.0) -> tuple[float, int]:
+    """Plain decoding of exactly max_tokens tokens per prompt (prompt evaluation included, as in
+    ours): greedy, or sampled from the full softmax at `temperature`. Returns seconds, tokens."""
+    seconds, tokens = 0.0, 0
+    top_k = 1 if temperature == 0 else 0
+    for ids in prompt_ids:
+        t0 = time.perf_counter()
+        n = 0
+        for _ in llm.generate(ids, top_k=top_k, top_p=1.0, min_p=0.0, temp=temperature, repeat_penalty=1.0, reset=True):
+            n += 1
+            if n == max_tokens:
+                break
+        seconds += time.perf_counter() - t0
+        tokens += n
+    return seconds, tokens
 
 
 def write_csv(path: str | Path, rows: list[dict]) -> None:
@@ -68,7 +108,11 @@ def main() -> int:
     ap.add_argument("--policy", default="dspark", help="DSpark row: none | fixed:K | threshold:C | dspark | dspark-async | all")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
     ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes, comma-separated (float32 is its default)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (full softmax, seeded per prompt)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--gguf", default=None, help="llama.cpp peer: a GGUF of the same weights (default: scripts/make_gguf.sh's bf16 file)")
+    ap.add_argument("--llama-threads", type=int, default=torch.get_num_threads(), help="llama.cpp threads (default: torch's)")
+    ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--csv", default=None, help="also write the table here")
     args = ap.parse_args()
 
@@ -108,8 +152,18 @@ def main() -> int:
             name = str(dtype).removeprefix("torch.")
             hf[f"transformers generate {name}"] = (model, {})
             hf[f"transformers prompt lookup {name} ({args.gamma})"] = (model, {"prompt_lookup_num_tokens": args.gamma})
+    llama = {}
+    if not args.skip_llama:
+        gguf = Path(args.gguf) if args.gguf else default_gguf_path(runtime.model_dir)
+        llm, why_not = load_llama_cpp(gguf, threads=args.llama_threads)
+        if llm is None:
+            print(f"note: the llama.cpp row is left out: {why_not}", file=sys.stderr)
+        else:
+            llama[f"llama.cpp {gguf.stem.rsplit('-', 1)[-1]} ({args.llama_threads} threads)"] = llm
     for engine in engines.values():
         run_engine(engine, prompt_ids[:1], 8, None)  # warm-up
+    for llm in llama.values():
+        run_llama(llm, prompt_ids[:1], 8)
     for model, kwargs in hf.values():
         run_hf(model, prompt_ids[:1], 8, **kwargs)
 
@@ -117,10 +171,13 @@ def main() -> int:
     for rep in range(args.repeats):
         speed, tau = {}, {}
         for name, engine in engines.items():
-            s, n, tau[name] = run_engine(engine, prompt_ids, args.max_tokens, None)
+            s, n, tau[name] = run_engine(engine, prompt_ids, args.max_tokens, None, temperature=args.temperature)
             speed[name] = n / s
         for name, (model, kwargs) in hf.items():
-            s, n = run_hf(model, prompt_ids, args.max_tokens, **kwargs)
+            s, n = run_hf(model, prompt_ids, args.max_tokens, temperature=args.temperature, **kwargs)
+            speed[name] = n / s
+        for name, llm in llama.items():
+            s, n = run_llama(llm, prompt_ids, args.max_tokens, temperature=args.temperature)
             speed[name] = n / s
         repeats.append((speed, tau))
         print(f"repeat {rep}: " + ", ".join(f"{k}={v:.2f}" for k, v in speed.items()), flush=True)
@@ -133,8 +190,9 @@ def main() -> int:
                      "x_ours_none": round(median([r[0][name] / r[0]["ours none"] for r in repeats]), 3),
                      "accepted_length": "" if tau is None or name == "ours none" else round(tau, 3),
                      "benchmarks": "+".join(benchmarks), "prompts": len(prompt_ids), "max_tokens": args.max_tokens,
-                     "repeats": args.repeats})
-    print(f"\n{'+'.join(benchmarks)}, {len(prompt_ids)} prompts x {args.max_tokens} new tokens, greedy, one request at a "
+                     "temperature": args.temperature, "repeats": args.repeats})
+    print(f"\n{'+'.join(benchmarks)}, {len(prompt_ids)} prompts x {args.max_tokens} new tokens, "
+          f"{'greedy' if args.temperature == 0 else f'T = {args.temperature}'}, one request at a "
           f"time, median of {args.repeats} repeats")
     print_table(["decoder", "tok/s", "x ours none", "τ"],
                 [[r["decoder"], r["tokens_per_s"], r["x_ours_none"], r["accepted_length"] or "-"] for r in rows])

@@ -48,9 +48,9 @@ def target_config(config: ServingConfig, *, with_drafter: bool = True) -> Target
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """The drafter, γ, the policy and the sampler of an in-process engine (generate, serve)."""
-    from dspark.drafters import DRAFTERS
+    from dspark.drafters import drafter_names
 
-    add_config_flag(p, "--drafter", key="drafter.name", choices=DRAFTERS)
+    add_config_flag(p, "--drafter", key="drafter.name", choices=drafter_names())
     add_config_flag(p, "--drafter-path", key="drafter.path",
                     help="checkpoint directory of a trained drafter ('' for dspark: the shipped checkpoint)")
     add_config_flag(p, "--drafter-top-k", key="drafter.top_k", type=int,

@@ -105,7 +105,7 @@ class DrafterSection(_Endpoint):
     host: str = "127.0.0.1"
     port: int = 50052
     address: str = ""
-    # dspark.drafters.DRAFTERS; "dspark"/"dspark-lookup" with no path = the checkpoint shipped for the
+    # dspark.drafters.drafter_names(); "dspark"/"dspark-lookup" with no path = the checkpoint shipped for the
     # default model. dspark-lookup: DSpark plus lookup proposals where the context repeats (greedy
     # τ 2.05 against 1.35 offline, docs/results/lookup.md); same checkpoint, same exactness.
     name: str = "dspark-lookup"

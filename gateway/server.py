@@ -28,7 +28,7 @@ from fastapi import FastAPI
 
 from dspark.bus.memory_bus import MemoryBus
 from dspark.bus.worker import WorkerThread, start_worker_thread
-from dspark.drafters import DRAFTERS, make_drafter
+from dspark.drafters import drafter_names, make_drafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.model.model_store import DEFAULT_MODEL
@@ -156,8 +156,8 @@ def serve(
     limits: GatewaySection = DEFAULTS.gateway,
     observability: ObservabilitySection = DEFAULTS.observability,
 ) -> None:
-    if drafter not in DRAFTERS:  # fail on a bad name before loading anything
-        raise ValueError(f"unknown drafter {drafter!r}; expected one of {DRAFTERS}")
+    if drafter not in drafter_names():  # fail on a bad name before loading anything
+        raise ValueError(f"unknown drafter {drafter!r}; expected one of {drafter_names()}")
     target = target or TargetConfig(model=model)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     setup_tracing(observability, service="serve")  # off unless an OTLP endpoint is configured

@@ -8,6 +8,12 @@ default model once per session (a few seconds once it is cached under ~/.cache/d
     python -m pytest tests -q                 # everything
     python -m pytest tests -q -m "not slow"   # fast tests only
     python -m pytest tests -q -m slow         # slow tests only
+    python -m pytest tests -q -m "not processes"   # none that starts another process
+    python -m pytest tests -q -m browser           # the round view in headless Chromium (also `processes`)
+
+Tests that start other processes (dspark services, servers, a child pytest, redis-server,
+kubectl) are marked `processes`, each one or, where every test of a module shares such a
+process, the whole module (`pytestmark`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import sys
 import textwrap
 from importlib import metadata
 
+import pytest
 from packaging.requirements import Requirement
 
 
@@ -61,6 +62,7 @@ def test_the_extras_bring_modules_the_core_does_not():  # else the check below c
     assert not {"torch", "httpx", "fastapi", "yaml"} & blocked  # core, or pulled in by the core (transformers: yaml)
 
 
+@pytest.mark.processes
 def test_every_dspark_command_parses_with_the_core_dependencies_only():
     script = textwrap.dedent(f"""
         import importlib.abc, sys

@@ -35,12 +35,13 @@ of the conditional acceptance P(x_k accepted | x_<k accepted).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DraftProposal, DraftRequest
 from dspark.drafters.ngram import find_ngram_continuation
 
 
@@ -111,24 +112,23 @@ class _Pending:
     tokens: list[int]
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """A model drafter (DSpark) with lookup proposals where the context repeats itself."""
 
-    def __init__(self, model_drafter, *, min_n: int = 2, max_n: int = 4, smoothing: float = 0.1):
+    def __init__(self, model_drafter: Drafter, *, min_n: int = 2, max_n: int = 4, smoothing: float = 0.1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if not model_drafter.provides_confidences:
-            raise ValueError(f"drafter {model_drafter.name!r} gives no confidences: a lookup cannot be weighed against it")
+        inner = model_drafter.spec
+        if not inner.provides_confidences:
+            raise ValueError(f"drafter {inner.name!r} gives no confidences: a lookup cannot be weighed against it")
+        if inner.block_size is None:
+            raise ValueError(f"drafter {inner.name!r} declares no block_size: the lookup's acceptance estimates need one")
         self.model = model_drafter
-        self.name = f"{model_drafter.name}-lookup"
-        self.needs_hidden_states = model_drafter.needs_hidden_states
-        self.capture_layers = tuple(model_drafter.capture_layers)
-        self.provides_confidences = True
-        self.free_proposals = True  # a suffix search: asked for even on rounds the draft gate skips
-        self.block_size = model_drafter.block_size
+        # the model drafter's needs, plus a suffix search that is asked for even on rounds the draft gate skips
+        self.spec = dataclasses.replace(inner, name=f"{inner.name}-lookup", free_proposals=True)
         self.min_n, self.max_n = min_n, max_n
         self.smoothing = smoothing  # weight of the newest model proposal in its running expected accepted length
-        self.acceptance = LookupAcceptance(max_n=max_n, block_size=model_drafter.block_size)
+        self.acceptance = LookupAcceptance(max_n=max_n, block_size=inner.block_size)
         self.model_expected: float = 0.0  # running Σ Π c_k of the model's proposals (0 until one is seen)
         self._pending: dict[str, _Pending] = {}
         self._history: dict[str, int] = {}  # request -> bucket of its last scored lookup
@@ -166,6 +166,7 @@ class LookupDrafter:
                 if req.free_only or expected_accepted(conf) >= self.model_expected:
                     proposal = DraftProposal.point_mass(cont)
                     proposal.confidences = torch.from_numpy(conf).float()
+                    proposal.free = True  # a suffix search: the draft gate weighs the model's proposals only
                     out[i] = proposal
                     self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
                     self.lookup_proposals += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 
 
 def find_ngram_continuation(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> list[int]:
@@ -31,10 +31,11 @@ def find_ngram_continuation(tokens: np.ndarray, *, min_n: int, max_n: int, k: in
 
 
 @dataclass
-class NgramDrafter:
+class NgramDrafter(Drafter):
     min_n: int = 1
     max_n: int = 4
-    name: str = "ngram"
+
+    spec = DrafterSpec(name="ngram")  # stateless: the base's lifecycle defaults
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_n <= self.max_n:
@@ -48,8 +49,7 @@ class NgramDrafter:
                 continue
             tokens = np.asarray(req.token_ids, dtype=np.int64)
             draft = find_ngram_continuation(tokens, min_n=self.min_n, max_n=self.max_n, k=req.max_draft_tokens)
-            out.append(DraftProposal.point_mass(draft) if draft else DraftProposal.empty())
+            proposal = DraftProposal.point_mass(draft) if draft else DraftProposal.empty()
+            proposal.free = True  # a search in the context, no model forward
+            out.append(proposal)
         return out
-
-    def remove_request(self, request_id: str) -> None:
-        pass

@@ -24,11 +24,13 @@ Random streams: a request's rejection sampling draws from a generator the verifi
 here for an in-process drafter, by the drafter service otherwise). Two streams, never the same
 numbers: a draft token and the uniform that decides its acceptance must be independent.
 
-Optional drafter hooks (a remote drafter implements them; in-process drafters need not):
-`add_request(request_id, prompt_ids, params)` before a request's first round,
-`observe_many({request_id: features})` instead of one `observe` per request, and
-`remove_requests(ids)` instead of one `remove_request` per id. `add_request` registers a request
-afresh: a remote part replaces whatever it still holds under that id (a dead scheduler's state).
+The drafter is read through its contract only (dspark/drafters/base.py): what it declares in
+`drafter.spec` (hidden states and which layers, confidences, free proposals), checked once here,
+and its lifecycle: `add_request` before a request's first round (and after a rebuild),
+`observe_many` with each round's verified hidden states, `remove_requests` when requests leave.
+In-process drafters inherit defaults; a remote drafter makes each one RPC. `add_request`
+registers a request afresh: a part replaces whatever it still holds under that id (a dead
+scheduler's state).
 
 Faults (dspark/engine/faults.py): when the drafter or verifier lives in another process, a failed
 call (`PartFailure`) is recovered from here: a failed drafter leaves rounds without drafts (plain
@@ -47,7 +49,7 @@ import numpy as np
 import torch
 from opentelemetry.trace import SpanContext
 
-from dspark.drafters.base import Drafter, DraftProposal, DraftRequest, NoDrafter
+from dspark.drafters.base import Drafter, DraftProposal, DraftRequest, NoDrafter, checked_spec
 from dspark.engine.faults import FaultPolicy, Outage, PartFailure, RequestsFailed, continuation_params
 from dspark.engine.verifier import PREFILL_ANCHOR, LocalVerifier, Verifier, VerifyBatch
 from dspark.model.kv_cache import KVBudgetExceeded
@@ -156,22 +158,22 @@ class SpeculativeEngine:
         self.verifier: Verifier = verifier
         self.runtime: TargetRuntime | None = getattr(verifier, "runtime", None)  # None when the target is remote
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
+        spec = checked_spec(self.drafter)  # TypeError for anything but a Drafter declaring a DrafterSpec
         self.gamma = num_speculative_tokens if not isinstance(self.drafter, NoDrafter) else 0
-        self.drafter_needs_hidden = bool(getattr(self.drafter, "needs_hidden_states", False))
-        self.drafter_has_free_proposals = bool(getattr(self.drafter, "free_proposals", False))
+        self.drafter_needs_hidden = spec.needs_hidden_states
+        self.drafter_has_free_proposals = spec.free_proposals
         if self.drafter_needs_hidden:
             captured = tuple(verifier.capture_layers)
-            wanted = tuple(getattr(self.drafter, "capture_layers", captured))
-            if wanted != captured:
+            if spec.capture_layers != captured:
                 raise ValueError(
-                    f"drafter {self.drafter.name!r} reads target layers {wanted}, the verifier captures "
-                    f"{captured}; load the target with capture_layers={wanted}"
+                    f"drafter {spec.name!r} reads target layers {spec.capture_layers}, the verifier captures "
+                    f"{captured}; load the target with capture_layers={spec.capture_layers}"
                 )
         self.policy = policy
         # skips rounds whose drafting would not pay (policies that declare gates_drafting)
         self.draft_gate: DraftGate | None = DraftGate() if policy is not None and policy.gates_drafting else None
-        if policy is not None and policy.needs_confidences and not getattr(self.drafter, "provides_confidences", False):
-            raise ValueError(f"policy {policy.spec!r} needs calibrated confidences; drafter {self.drafter.name!r} gives none")
+        if policy is not None and policy.needs_confidences and not spec.provides_confidences:
+            raise ValueError(f"policy {policy.spec!r} needs calibrated confidences; drafter {spec.name!r} gives none")
         self.running: dict[str, RequestState] = {}
         self.counters = EngineCounters()
         self.faults = faults if faults is not None else FaultPolicy()
@@ -257,13 +259,11 @@ class SpeculativeEngine:
             self._verifier_failed(e)  # AsyncEngine keeps the request waiting, up to faults.verifier_timeout_s
             raise
         self.verifier_outage = None  # it answers again (requests it lost are still marked for a rebuild)
-        synced = True
-        if hasattr(self.drafter, "add_request"):
-            try:
-                synced = self._register_with_drafter(rid, request.prompt_ids, request.params)
-            except BaseException:
-                self._free_on_verifier([rid])
-                raise
+        try:
+            synced = self._register_with_drafter(rid, request.prompt_ids, request.params)
+        except BaseException:
+            self._free_on_verifier([rid])
+            raise
         seed = request.params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
@@ -320,6 +320,8 @@ class SpeculativeEngine:
             else:
                 proposals = [DraftProposal.empty() for _ in decoding]
             t_draft = time.perf_counter() - t_draft
+        # the requests the model drafted for (not a free lookup): what the draft gate learns from
+        model_drafted = [s for s, p in zip(decoding, proposals) if len(p) and not p.free] if drafting else []
         drafted, trace = proposals, None  # before the policy cuts them, and its trace: for the round feed
         with observed.phase("schedule"):
             if self.policy is not None and decoding:
@@ -339,10 +341,11 @@ class SpeculativeEngine:
         num_accepted = verified.result.num_accepted.tolist()
         tokens = verified.result.output_token_ids.tolist()
         self.counters.steps += 1
-        if drafting and self.draft_gate is not None and decoding:
-            self.draft_gate.record(num_requests=len(decoding), draft_seconds=t_draft,
-                                   verified=sum(len(draft_of[s.request.request_id]) for s in decoding),
-                                   accepted=sum(a for s, a in zip(states, num_accepted) if s.prefilled))
+        if self.draft_gate is not None and model_drafted:
+            accepted_of = {s.request.request_id: a for s, a in zip(states, num_accepted)}
+            ids = [s.request.request_id for s in model_drafted]
+            self.draft_gate.record(num_requests=len(ids), draft_seconds=t_draft,
+                                   verified=sum(len(draft_of[rid]) for rid in ids), accepted=sum(accepted_of[rid] for rid in ids))
         if self.drafter_needs_hidden:  # positions now verified: the whole prompt, or x_0..x_a
             self._hand_over_features(states, verified.hidden_states, verified.num_hidden_positions)
 
@@ -435,10 +438,10 @@ class SpeculativeEngine:
             self._drafter_failed(e)
             return no_drafts
         if len(proposals) != len(reqs):
-            raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
+            raise RuntimeError(f"drafter {self.drafter.spec.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
         for req, p in zip(reqs, proposals):
             if len(p) > req.max_draft_tokens:
-                raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
+                raise RuntimeError(f"drafter {self.drafter.spec.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
         by_id = {req.request_id: p for req, p in zip(reqs, proposals)}
         return [by_id.get(s.request.request_id, no_drafts[0]) for s in decoding]
 
@@ -454,7 +457,7 @@ class SpeculativeEngine:
             if len(p) and p.confidences is not None:
                 confidences[r, : len(p)] = p.confidences.double().numpy()
             elif len(p) and self.policy.needs_confidences:
-                raise RuntimeError(f"policy {self.policy.spec!r} needs confidences; drafter {self.drafter.name!r} gives none")
+                raise RuntimeError(f"policy {self.policy.spec!r} needs confidences; drafter {self.drafter.spec.name!r} gives none")
         prefill_tokens = sum(len(s.all_token_ids) for s in prefilling)  # a rebuild prefills prompt + output so far
         sps_table = None
         profile = self.sps_profile
@@ -511,13 +514,8 @@ class SpeculativeEngine:
         features = {s.request.request_id: f for s, f in zip(states, pieces) if s.drafter_synced}
         if not features:
             return
-        observe_many = getattr(self.drafter, "observe_many", None)
         try:
-            if observe_many is not None:
-                observe_many(features)
-            else:
-                for rid, f in features.items():
-                    self.drafter.observe(rid, f)
+            self.drafter.observe_many(features)
         except PartFailure as e:
             self._drafter_failed(e)
 
@@ -572,8 +570,8 @@ class SpeculativeEngine:
             s.drafter_synced = False
 
     def _register_with_drafter(self, rid: str, token_ids: list[int], params: SamplingParams) -> bool:
-        """Register a request with a drafter that keeps per-request state (a remote one) from its
-        tokens so far; False while the drafter fails (the request is then decoded without drafts)."""
+        """Register a request with the drafter (afresh) from its tokens so far; False while the
+        drafter fails (the request is then decoded without drafts)."""
         if self.drafter_outage is not None:
             return False
         try:
@@ -644,10 +642,8 @@ class SpeculativeEngine:
         self.verifier.add_request(rid, tokens, params, self.kv_tokens_needed(s.request))
         s.needs_rebuild, s.prefilled = False, False
         log.info("request %r rebuilt on the verifier from %d tokens", rid, len(tokens))
-        if hasattr(self.drafter, "add_request"):
-            s.drafter_synced = self._register_with_drafter(rid, tokens, params)
-        else:
-            self.drafter.remove_request(rid)  # in process: drop the context features the prefill hands over again
+        # registered afresh: an in-process drafter drops the context features the prefill hands over again
+        s.drafter_synced = self._register_with_drafter(rid, tokens, params)
 
     def _fail(self, states: list[RequestState], message: str) -> None:
         """Release requests that cannot go on and raise RequestsFailed for them."""
@@ -670,13 +666,8 @@ class SpeculativeEngine:
         if self.drafter_outage is not None:
             self._unfreed["drafter"].update(request_ids)
             return
-        remove_many = getattr(self.drafter, "remove_requests", None)
         try:
-            if remove_many is not None:
-                remove_many(request_ids)
-            else:
-                for rid in request_ids:
-                    self.drafter.remove_request(rid)
+            self.drafter.remove_requests(request_ids)
         except PartFailure as e:
             self._drafter_failed(e)
             self._unfreed["drafter"].update(request_ids)

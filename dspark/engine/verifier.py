@@ -20,6 +20,8 @@ scheduler side (`dspark.engine.speculative.SpeculativeEngine`) only ever talks t
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -99,11 +101,23 @@ class Verifier(Protocol):
 
 def resolve_sampler_backend(backend: str, device: torch.device | str = "cpu") -> str:
     """"auto" -> the fused Triton kernel when the logits live on a CUDA device, else the torch
-    reference (compiled Triton cannot read CPU tensors, even on a machine that has a GPU)."""
+    reference (compiled Triton cannot read CPU tensors, even on a machine that has a GPU).
+
+    "triton" for logits on another device is refused here, at start-up, rather than at the first
+    round: only Triton's interpreter (TRITON_INTERPRET=1, for tests) runs the kernel on the CPU."""
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"sampler_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     if backend == "auto":
-        return "triton" if torch.device(device).type == "cuda" and torch.cuda.is_available() else "torch"
+        return "triton" if on_cuda else "torch"
+    if backend == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("sampler_backend 'triton' needs the triton package, which is not installed; "
+                             "use 'auto' or 'torch' (the torch reference)")
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"sampler_backend 'triton' runs the fused kernel on CUDA tensors, but the target's logits "
+                             f"live on {torch.device(device)}: use 'auto' or 'torch' (the torch reference), or set "
+                             "TRITON_INTERPRET=1 to run the kernel in Triton's interpreter (tests only: it is slow)")
     return backend
 
 

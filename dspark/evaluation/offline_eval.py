@@ -99,13 +99,13 @@ class EvalConfig:
     target_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        from dspark.drafters import DRAFTERS
+        from dspark.drafters import drafter_names
 
         if not self.drafters:
             raise ValueError("name at least one drafter (--drafter NAME[=PATH])")
         for spec in self.drafters:
-            if spec.name not in DRAFTERS:
-                raise ValueError(f"unknown drafter {spec.name!r}; expected one of {DRAFTERS}")
+            if spec.name not in drafter_names():
+                raise ValueError(f"unknown drafter {spec.name!r}; expected one of {drafter_names()}")
         labels = [d.label for d in self.drafters]
         if len(set(labels)) != len(labels):
             raise ValueError(f"drafter labels must be unique, got {labels}; label repeats as LABEL@NAME=PATH")
@@ -192,7 +192,7 @@ def run_offline_eval(
             runtime = None  # free the previous target before loading another
             runtime, runtime_layers = load_runtime(layers), layers
         drafter = make_drafter(spec.name, runtime=runtime, path=spec.path)
-        block = getattr(drafter, "block_size", None)
+        block = drafter.spec.block_size if drafter is not None else None
         for temperature in config.temperatures:
             for requested in config.gammas:
                 gamma = requested if block is None else min(requested, int(block))

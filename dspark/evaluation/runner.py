@@ -71,18 +71,27 @@ def request_seed(seed: int, key: str, turn: int) -> int:
     return zlib.crc32(f"{seed}/{key}/{turn}".encode())
 
 
-class RecordingDrafter:
+class RecordingDrafter(Drafter):
     """Wraps any drafter: proposes exactly what it proposes and remembers, per request, the
-    length and confidences of the latest proposal. Every other attribute (name,
-    needs_hidden_states, capture_layers, provides_confidences, observe, block_size) is the
+    length and confidences of the latest proposal. Its spec and every lifecycle call are the
     wrapped drafter's."""
 
     def __init__(self, inner: Drafter):
         self.inner = inner
+        self.spec = inner.spec
         self._latest: dict[str, tuple[int, torch.Tensor | None]] = {}  # request -> (len, [len] confidences)
 
-    def __getattr__(self, name: str):  # only called for attributes the wrapper itself lacks
-        return getattr(self.inner, name)
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        self.inner.add_request(request_id, token_ids, params)
+
+    def observe(self, request_id: str, features: torch.Tensor) -> None:
+        self.inner.observe(request_id, features)
+
+    def observe_many(self, features: dict[str, torch.Tensor]) -> None:
+        self.inner.observe_many(features)
+
+    def context_len(self, request_id: str) -> int:
+        return self.inner.context_len(request_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
         proposals = self.inner.propose(requests)
@@ -93,6 +102,9 @@ class RecordingDrafter:
     def remove_request(self, request_id: str) -> None:
         # the latest proposal is kept: the round that finishes a request is read after the step
         self.inner.remove_request(request_id)
+
+    def remove_requests(self, request_ids: list[str]) -> None:
+        self.inner.remove_requests(request_ids)
 
     def take(self, request_id: str, verified: int) -> torch.Tensor | None:  # [verified] confidences or None
         """The confidences of the request's latest proposal, which the engine verified `verified` of."""
@@ -145,7 +157,7 @@ def run_conversations(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     recorder = RecordingDrafter(drafter if drafter is not None else NoDrafter())
     engine = SpeculativeEngine(runtime, recorder, num_speculative_tokens=gamma)
-    with_confidences = bool(getattr(recorder, "provides_confidences", False))
+    with_confidences = recorder.spec.provides_confidences
     rounds: list[tuple[int, int, np.ndarray | None]] = []
     finished: dict[str, RequestState] = {}
     skipped: list[dict] = []

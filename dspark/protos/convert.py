@@ -128,7 +128,7 @@ def dense_rows_from_proto(msg: common_pb2.DenseRows) -> torch.Tensor:  # [n, voc
 def draft_proposal_to_proto(p: DraftProposal) -> common_pb2.DraftProposal:
     """Confidences None and an empty confidence tensor both travel as an empty list (read back as None
     when there are no drafts, as an empty tensor never when there are: validation rejects it)."""
-    msg = common_pb2.DraftProposal(token_ids=_ints(p.token_ids))
+    msg = common_pb2.DraftProposal(token_ids=_ints(p.token_ids), free=p.free)
     if p.dense_probs is not None:
         msg.dense.CopyFrom(dense_rows_to_proto(p.dense_probs))
     else:
@@ -142,11 +142,12 @@ def draft_proposal_from_proto(msg: common_pb2.DraftProposal) -> DraftProposal:
     n = len(msg.token_ids)
     confidences = _f32(msg.confidences) if len(msg.confidences) else None
     if msg.WhichOneof("rows") == "dense":
-        return DraftProposal(token_ids=_long(msg.token_ids), dense_probs=dense_rows_from_proto(msg.dense), confidences=confidences)
+        return DraftProposal(token_ids=_long(msg.token_ids), dense_probs=dense_rows_from_proto(msg.dense), confidences=confidences,
+                             free=msg.free)
     ids, probs = sparse_rows_from_proto(msg.sparse)
     if n == 0 and msg.sparse.k == 0:
         ids, probs = ids.reshape(0, 1), probs.reshape(0, 1)  # DraftProposal.empty()'s shape
-    return DraftProposal(token_ids=_long(msg.token_ids), prob_ids=ids, probs=probs, confidences=confidences)
+    return DraftProposal(token_ids=_long(msg.token_ids), prob_ids=ids, probs=probs, confidences=confidences, free=msg.free)
 
 
 def draft_probs_to_proto(dp: DraftProbs, msg) -> None:
@@ -179,6 +180,7 @@ def draft_request_to_proto(r: DraftRequest, *, token_offset: int = 0) -> drafter
     return drafter_pb2.DraftRequest(
         request_id=r.request_id, token_ids=r.token_ids[token_offset:], num_prompt_tokens=r.num_prompt_tokens,
         params=sampling_params_to_proto(r.params), max_draft_tokens=r.max_draft_tokens, token_offset=token_offset,
+        free_only=r.free_only,
     )
 
 
@@ -197,6 +199,7 @@ def draft_request_from_proto(
     return DraftRequest(
         request_id=msg.request_id, token_ids=tokens, num_prompt_tokens=msg.num_prompt_tokens,
         params=sampling_params_from_proto(msg.params), max_draft_tokens=msg.max_draft_tokens, generator=generator,
+        free_only=msg.free_only,
     )
 
 

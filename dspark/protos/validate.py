@@ -12,9 +12,10 @@ value (`requests[2].proposal.sparse.probs`) and `message` what was got and what 
 Nothing else escapes for any message the protobuf runtime can parse (a hypothesis test holds us
 to that). What is checked: ids non-empty and unique within a call, token ids in [0, vocab),
 lengths consistent with their sibling counts, probabilities finite, >= 0 and rows summing to 1
-(tol 1e-3), sparse ids in range or -1 padding (prob 0, no id twice in a row), every draft token
-with p_d(x) > 0 under its own row, sampling params as in SamplingParams, tensors whose bytes
-match dtype and shape, features that are finite. Inside the services the messages are then trusted.
+(within the rejection sampler's ROW_SUM_TOL), sparse ids in range or -1 padding (prob 0, no id
+twice in a row), every draft token with p_d(x) > 0 under its own row, sampling params as in
+SamplingParams, tensors whose bytes match dtype and shape, features that are finite. Inside the
+services the messages are then trusted.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import numpy as np
 
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from dspark.sampling.params import MIN_TEMPERATURE
-
-ROW_SUM_TOL = 1e-3  # the rejection sampler's tolerance on draft rows
+from dspark.sampling.rejection_sampler import ROW_SUM_TOL  # one tolerance on draft rows, here and in the sampler
 MAX_REQUEST_ID_LEN = 256
 _ITEMSIZE = {common_pb2.DTYPE_FLOAT32: 4, common_pb2.DTYPE_FLOAT16: 2, common_pb2.DTYPE_BFLOAT16: 2}
 _NUMPY_DTYPE = {common_pb2.DTYPE_FLOAT32: "<f4", common_pb2.DTYPE_FLOAT16: "<f2", common_pb2.DTYPE_BFLOAT16: "<u2"}

@@ -11,10 +11,13 @@ The math (docs/method.md §1), per request r with drafts x_1..x_l:
   * at the first rejection emit a draw from norm(max(0, p_t - p_d)) at that position;
   * if all l drafts are accepted emit the bonus, a draw from p_t at position l + 1.
 The output then has exactly the target's distribution, for any p_d, provided p_d is the very
-row the drafter sampled x_k from. A request draws exactly ONE categorical token per round (the
-residual or the bonus), by the exponential race argmax_v w(v) / E_r(v) with E_r ~ iid Exp(1):
-the winner of that race is distributed as w / sum(w) without normalising w. Both backends
-evaluate the same fp32 expressions on the same random numbers, so they agree exactly.
+row the drafter sampled x_k from. Drafters draw x_k ~ row / sum(row) (`categorical.py`), so the
+verifier renormalises each row before using it: a row whose fp32 sum is off by rounding (up to
+~2e-5 for a dense softmax over 150k tokens) is then exactly the distribution x_k came from.
+A request draws exactly ONE categorical token per round (the residual or the bonus), by the
+exponential race argmax_v w(v) / E_r(v) with E_r ~ iid Exp(1): the winner of that race is
+distributed as w / sum(w) without normalising w. Both backends evaluate the same fp32
+expressions on the same random numbers, so they agree exactly.
 Temperature 0 (greedy): accept while x_k == argmax of the target logits (ties: lowest id), then
 emit that argmax.
 
@@ -31,7 +34,11 @@ import torch
 from dspark.sampling.params import SamplingParams, logits_to_probs
 
 BACKENDS = ("torch", "triton")
-_ROW_SUM_TOL = 1e-3  # draft rows are renormalised fp32 (or bf16 upcast) distributions
+# How far a draft row's sum may be from 1. Rows are renormalised before use (exactness does not
+# rest on this); the check refuses rows that are not distributions at all. fp32 softmax rows sum
+# to 1 within 4e-6 at V = 49,152 and 2e-5 at V = 151,936 (the normaliser's rounding; top-p
+# truncations within 4e-6, top-k ones within 3e-7): 1e-4 leaves a margin of five.
+ROW_SUM_TOL = 1e-4
 
 
 @dataclass
@@ -42,9 +49,9 @@ class DraftProbs:
     the listed ids. Padding entries (id -1, prob 0) are allowed.
     """
 
-    dense: torch.Tensor | None = None  # [num_draft_tokens, vocab] fp32, rows sum to 1
+    dense: torch.Tensor | None = None  # [num_draft_tokens, vocab] fp32, rows sum to 1 (within ROW_SUM_TOL)
     sparse_ids: torch.Tensor | None = None  # [num_draft_tokens, k] int64, -1 = padding
-    sparse_probs: torch.Tensor | None = None  # [num_draft_tokens, k] fp32, rows sum to 1
+    sparse_probs: torch.Tensor | None = None  # [num_draft_tokens, k] fp32, rows sum to 1 (within ROW_SUM_TOL)
 
     def __post_init__(self) -> None:
         has_dense = self.dense is not None
@@ -103,7 +110,7 @@ class PreparedBatch:
     cu_num_draft: torch.Tensor  # [num_requests + 1] int64, cu[r] = first draft token of request r
     target: torch.Tensor  # [num_draft_tokens + num_requests, vocab] fp32: p_t rows; raw logits for greedy requests
     is_greedy: torch.Tensor  # [num_requests] bool
-    draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab] fp32 dense p_d; None if unused
+    draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab] fp32 dense p_d, rows renormalised; None if unused
     uniforms: torch.Tensor  # [num_draft_tokens] fp32
     exp_noise: torch.Tensor  # [num_requests, vocab] fp32
     max_num_draft: int  # max_r l_r, fixes the output width
@@ -268,8 +275,8 @@ def _validate_values(batch: RejectionBatch, is_greedy: torch.Tensor, target: tor
         checks += [
             (((rows >= 0).all(-1) | skip).all(), lambda: "draft probs must be non-negative (and not NaN)"),
             (
-                (sum_error <= _ROW_SUM_TOL).all(),
-                lambda: f"draft prob rows must sum to 1 (tol {_ROW_SUM_TOL}), "
+                (sum_error <= ROW_SUM_TOL).all(),
+                lambda: f"draft prob rows must sum to 1 (tol {ROW_SUM_TOL}), "
                 f"got a row off by {float(sum_error.max()):.6f}",
             ),
             (
@@ -282,6 +289,13 @@ def _validate_values(batch: RejectionBatch, is_greedy: torch.Tensor, target: tor
     for flag, (_, message) in zip(flags, checks):
         if not flag:
             raise ValueError(message())
+
+
+def normalised_rows(rows: torch.Tensor) -> torch.Tensor:  # [n, vocab] fp32 -> [n, vocab] fp32
+    """rows / their sums: the distributions the drafter sampled from (it draws x ~ row / sum(row)).
+    A row without mass (a greedy request's, never read) is left as it is."""
+    total = rows.sum(-1, keepdim=True)  # [n, 1]
+    return rows / torch.where(total > 0, total, 1.0)
 
 
 def densify_draft_probs(draft: DraftProbs, vocab: int) -> torch.Tensor:  # [num_draft_tokens, vocab] fp32
@@ -339,7 +353,7 @@ def prepare_batch(batch: RejectionBatch) -> PreparedBatch:
         cu_num_draft=torch.nn.functional.pad(torch.cumsum(nd, 0), (1, 0)),
         target=target.contiguous(),
         is_greedy=is_greedy,
-        draft_probs=densify_draft_probs(batch.draft_probs, vocab).contiguous() if sampled_has_drafts else None,
+        draft_probs=normalised_rows(densify_draft_probs(batch.draft_probs, vocab)).contiguous() if sampled_has_drafts else None,
         uniforms=batch.uniforms.float().contiguous(),
         exp_noise=batch.exp_noise.float().contiguous(),
         max_num_draft=max(lens, default=0),

@@ -10,7 +10,9 @@ BEFORE drafting, from the engine's last rounds only, whether this round drafts a
 with R decoding requests, P prefill tokens riding in the same forward, T_v(B) = 1 / SPS(B) the
 verifier's measured step time at B tokens, and running means (exponential, weight `smoothing`
 on the newest round) over the rounds that drafted: t_d the drafting time per request, ℓ̄ the
-drafts verified per request and g the drafts accepted per request. It drafts when the second
+drafts verified per request and g the drafts accepted per request, counting only the requests
+the model drafted for (a free proposal, `DraftProposal.free`: a context lookup, costs no model
+forward and is made whatever the gate says, so it must not vouch for the model). It drafts when the second
 is higher, and also after `probe_every` rounds in a row without drafting (the estimates must
 see new rounds to notice that a request got easier). Before any drafted round it drafts.
 

@@ -84,7 +84,8 @@ def _resolve_precision(precision: str) -> str:
 
 
 def cmd_train(args) -> int:
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.registry import family
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.target_cache import TargetCache
     from dspark.training.trainer import TrainConfig, train
 
@@ -92,7 +93,7 @@ def cmd_train(args) -> int:
         config = TrainConfig(
             algo=args.algo, steps=args.steps, epochs=args.epochs, batch_seqs=args.batch_seqs, anchors_per_seq=args.anchors_per_seq,
             max_batch_tokens=args.max_batch_tokens, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip, layers=args.layers if args.layers is not None else (1 if args.algo == "eagle3" else 2),
+            grad_clip=args.grad_clip, layers=args.layers if args.layers is not None else family(args.algo).objective.default_layers,
             block_size=args.block_size, markov_rank=args.markov_rank,
             head=args.head, seed=args.seed, split=args.split, checkpoint_every=args.checkpoint_every,
             eval_every=args.eval_every, precision=_resolve_precision(args.precision),
@@ -117,22 +118,22 @@ def cmd_train(args) -> int:
 
 def cmd_heldout(args) -> int:
     """Evaluate a trained drafter checkpoint on a cache's held-out split (what training logs at its end)."""
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.heldout import evaluate_heldout
     from dspark.training.target_cache import TargetCache
-    from dspark.training.trainer import ALGORITHMS
+    from dspark.drafters.registry import family
 
     cache = TargetCache(args.cache)
     target = _target_for_cache(cache, args.model, args.target_dtype)
     device = _resolve_device(args.device)
-    algo = ALGORITHMS[args.algo]
+    algo = family(args.algo)
     try:
         model = algo.load(Path(args.drafter), shared=SharedWeights.from_target(target), device=device)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"error: cannot load a {args.algo} drafter from {args.drafter}: {e}", file=sys.stderr)
         return 2
     block_size = model.config.block_size
-    result = evaluate_heldout(algo, model, cache, split=args.split, block_size=block_size, anchors_per_seq=args.anchors_per_seq,
+    result = evaluate_heldout(algo.objective, model, cache, split=args.split, block_size=block_size, anchors_per_seq=args.anchors_per_seq,
                               batch_seqs=args.batch_seqs, seed=args.seed, max_sequences=args.max_sequences, device=device,
                               precision=_resolve_precision(args.precision))
     if result is None:
@@ -151,7 +152,7 @@ def _cmd_runs(args) -> int:
 def cmd_calibrate(args) -> int:
     from dspark.calibration.collect import calibrate, collect_acceptance
     from dspark.drafters.dspark.checkpoint import load_checkpoint
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.training.target_cache import TargetCache
 
     cache = TargetCache(args.cache)
@@ -181,7 +182,7 @@ def cmd_export(args) -> int:
     """Re-store a DSpark checkpoint (e.g. bf16 to ship it in half the bytes), STS temperatures included."""
     from dspark.drafters.dspark.checkpoint import export_checkpoint
     from dspark.drafters.dspark.config import DSparkConfig
-    from dspark.drafters.dspark.model import SharedWeights
+    from dspark.drafters.shared import SharedWeights
     from dspark.model.model_store import resolve_model_dir
     from dspark.model.transformer import Transformer
 
@@ -198,6 +199,9 @@ def cmd_export(args) -> int:
 
 
 def add_train_parsers(subparsers) -> None:
+    from dspark.drafters.registry import families
+
+    algos = [f.name for f in families()]
     c = subparsers.add_parser("cache", help="run the target once over generated data and store its features")
     c.add_argument("--data-dir", required=True, help="directory with responses.jsonl (or the file itself)")
     c.add_argument("--out", required=True, help="cache directory (resumable: rerun to finish)")
@@ -217,7 +221,7 @@ def add_train_parsers(subparsers) -> None:
     t = subparsers.add_parser("train", help="train a drafter on a target cache")
     t.add_argument("--cache", required=True)
     t.add_argument("--out", required=True, help="run directory (checkpoints/, metrics.jsonl, final/)")
-    t.add_argument("--algo", default="dspark", choices=["dspark", "dflash", "eagle3"],
+    t.add_argument("--algo", default="dspark", choices=algos,
                    help="drafter family: dspark, the DFlash baseline (parallel, CE), the EAGLE-3 baseline (1 layer, TTT)")
     t.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     t.add_argument("--epochs", type=float, default=1.0)
@@ -253,7 +257,7 @@ def add_train_parsers(subparsers) -> None:
 
     h = subparsers.add_parser("heldout", help="analytic acceptance of a trained drafter on the cache's held-out split")
     h.add_argument("--drafter", required=True, help="drafter checkpoint directory (RUN/final)")
-    h.add_argument("--algo", default="dspark", choices=["dspark", "dflash", "eagle3"], help="the drafter's family")
+    h.add_argument("--algo", default="dspark", choices=algos, help="the drafter's family")
     h.add_argument("--cache", required=True)
     h.add_argument("--split", default="heldout", choices=["train", "heldout", "all"])
     h.add_argument("--anchors-per-seq", type=int, default=16, help="as the training recipe, so the numbers match its log")

@@ -9,7 +9,7 @@ that position k survives verification at temperature 1 given the earlier ones di
 and τ = 1 + Σ_k Π_{i≤k} c*_i the expected accepted length of a round, bonus included. It is the
 quantity the offline evaluation measures by sampling (`dspark eval`, T = 1), here without running
 the target, so a run can be judged at every checkpoint in seconds. Every algorithm reports it the
-same way (the `acceptance_metrics` diagnostics of trainer.py), so runs compare directly.
+same way (the `acceptance_metrics` diagnostics of dspark/training/objective.py), so runs compare directly.
 
 The anchors are fixed (seeded by `seed`, epoch 0) so that two evaluations of the same model agree
 exactly and two models are measured on the same blocks. Evaluation touches no global RNG state:
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dspark.training.anchors import plan_batches, sample_batch
+from dspark.training.objective import TrainingObjective
 from dspark.training.target_cache import TargetCache
 
 EVAL_EPOCH = 0  # anchors of held-out sequences are drawn once, as for training epoch 0
@@ -54,7 +55,7 @@ class HeldoutResult:
 
 @torch.no_grad()
 def evaluate_heldout(
-    algo,  # trainer.DrafterAlgorithm
+    objective: TrainingObjective,  # the family's (dspark.drafters.registry `family(name).objective`)
     model: nn.Module,
     cache: TargetCache,
     *,
@@ -90,7 +91,7 @@ def evaluate_heldout(
                 batch = sample_batch(cache, seqs, anchors_per_seq=anchors_per_seq, block_size=block_size,
                                      seed=seed, epoch=EVAL_EPOCH).to(device)
                 with autocast:
-                    metrics = algo.loss(model, batch).metrics
+                    metrics = objective.loss(model, batch).metrics
                 n_blocks, n_labels = batch.num_blocks, batch.num_labels
                 if n_blocks == 0 or n_labels == 0:
                     continue

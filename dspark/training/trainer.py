@@ -23,15 +23,16 @@ Run directory:
     checkpoints/latest                name of the newest complete checkpoint (written last)
     final/                            the drafter checkpoint to calibrate and serve
 
-Algorithms plug in through `DrafterAlgorithm` (build a model, compute a loss on a TrainBatch,
-save it), all on the same cache, anchors, target layers and block size (the comparison of
-docs/method.md §9):
-    dspark   the DSpark loss above
+Algorithms are the drafter families of the registry (`--algo NAME`: dspark.drafters.registry
+`family(NAME)`: its objective builds the model and computes the loss on a TrainBatch, its
+checkpoint I/O saves and loads it), all on the same cache, anchors, target layers and block size
+(the comparison of docs/method.md §9):
+    dspark   the DSpark loss above (drafters/dspark/objective.py)
     dflash   the parallel backbone alone, CE with position weights w_k = exp(-(k-1)/γ_w) (DFlash Eq. 4)
     eagle3   one layer, training-time test over γ steps: Σ_j 0.8^(j-1) · soft CE of step j against
              p_t (EAGLE-3's training code); `layers` must be 1
-Every algorithm logs the same diagnostics (tv, acc, tau, acc_per_pos: the analytic acceptance of
-its teacher-forced drafts against p_t), so the runs' logs compare directly.
+Every objective logs the same diagnostics (tv, acc, tau, acc_per_pos: the analytic acceptance of
+its teacher-forced drafts against p_t; dspark/training/objective.py), so the runs' logs compare directly.
 """
 
 from __future__ import annotations
@@ -46,36 +47,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.drafters import dflash, eagle3
-from dspark.drafters.dflash.config import DFlashConfig
-from dspark.drafters.dflash.model import DFlashDrafter
-from dspark.drafters.dspark.checkpoint import load_checkpoint, save_checkpoint, transfer_weights
-from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
-from dspark.drafters.eagle3.config import Eagle3Config
-from dspark.drafters.eagle3.model import Eagle3Drafter
+from dspark.drafters.registry import DrafterFamily, families, family
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
-from dspark.training.anchors import TrainBatch, plan_batches, sample_batch
-from dspark.training.draft_vocab import frequent_tokens
+from dspark.training.anchors import plan_batches, sample_batch
 from dspark.training.heldout import evaluate_heldout
-from dspark.training.losses import (
-    acceptance_rate,
-    ce_loss,
-    dspark_loss,
-    expected_acceptance,
-    expected_accepted_length,
-    greedy_acceptance,
-    position_weights,
-    target_probs_from_hidden,
-    weighted_mean,
-)
 from dspark.training.target_cache import TargetCache
 
 CHECKPOINT_DIR = "checkpoints"
@@ -123,8 +106,9 @@ class TrainConfig:
             raise ValueError(f"steps must be >= 1, got {self.steps}")
         if self.steps is None and not self.epochs > 0:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {self.algo!r}")
+        algos = sorted(f.name for f in families())
+        if self.algo not in algos:
+            raise ValueError(f"algo must be one of {algos}, got {self.algo!r}")
         if not 0 <= self.warmup < 1:
             raise ValueError(f"warmup must be a fraction in [0, 1), got {self.warmup}")
         if self.precision not in ("fp32", "bf16"):
@@ -136,12 +120,9 @@ class TrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.eval_sequences is not None and self.eval_sequences < 1:
             raise ValueError(f"eval_sequences must be >= 1, got {self.eval_sequences}")
-        if self.algo != "dspark" and (self.draft_vocab_size is not None or self.init_from is not None):
-            raise ValueError(f"draft_vocab_size and init_from are DSpark options, not {self.algo}'s")
+        family(self.algo).objective.check(self)  # what only some families train with (draft vocabulary, layers)
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if self.algo == "eagle3" and self.layers != 1:
-            raise ValueError(f"EAGLE-3 is a one-layer drafter: layers must be 1, got {self.layers}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -157,167 +138,6 @@ class TrainConfig:
         d.setdefault("init_from", None)
         d.setdefault("eval_sequences", None)
         return cls(**d)
-
-
-# ---- algorithms ---------------------------------------------------------------------------------
-
-
-@dataclass
-class StepLoss:
-    total: torch.Tensor  # [] what backward() runs on
-    metrics: dict[str, Any]  # floats / lists for the log and the progress bar
-
-
-class DrafterAlgorithm(Protocol):
-    """What the trainer needs from a drafter family (dspark, dflash, eagle3)."""
-
-    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> nn.Module: ...
-
-    def loss(self, model: nn.Module, batch: TrainBatch) -> StepLoss: ...
-
-    def save(self, model: nn.Module, directory: Path) -> None: ...
-
-    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> nn.Module: ...
-
-
-class DSparkAlgorithm:
-    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> DSparkDrafter:
-        cfg = DSparkConfig.from_target(target_config, target_layer_ids=cache.capture_layers, num_layers=config.layers,
-                                       block_size=config.block_size, markov_rank=config.markov_rank, head_type=config.head,
-                                       draft_vocab_size=config.draft_vocab_size)
-        d2t = None if config.draft_vocab_size is None else frequent_tokens(cache, size=config.draft_vocab_size, split=config.split)
-        model = DSparkDrafter(cfg, shared=shared, draft_to_target=d2t)
-        if config.init_from is not None:
-            transfer_weights(load_checkpoint(config.init_from, shared=shared).drafter, model)
-        return model
-
-    def loss(self, model: DSparkDrafter, batch: TrainBatch) -> StepLoss:
-        c = model.config
-        # valid blocks only: padding blocks carry no loss, so they skip the vocabulary-sized products
-        logits, confidence_logits = model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)  # [n, γ, N], [n, γ]
-        valid = batch.blocks.block_valid  # [rows, nb]
-        n, gamma, _ = logits.shape
-        mask = batch.label_mask[valid]  # [n, γ]
-        labels = batch.target_tokens[valid]  # [n, γ] target ids
-        with torch.no_grad():
-            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head)
-            p_t = p_t.view(n, gamma, -1)  # [n, γ, V]
-            target_argmax = p_t.argmax(dim=-1)  # [n, γ]
-            outside = None
-            d2t = model.draft_to_target
-            if d2t is not None:  # only the N columns the drafter can propose, and the mass it cannot
-                p_t = p_t[..., d2t]  # [n, γ, N]
-                outside = (1.0 - p_t.sum(dim=-1)).clamp_min(0.0)  # [n, γ]
-                labels = model.target_to_draft()[labels]  # [n, γ] draft indices, -1 outside
-        loss = dspark_loss(draft_logits=logits, target_ids=labels, target_probs=p_t, outside_mass=outside,
-                           confidence_logits=confidence_logits, mask=mask, ce_weight=c.ce_weight,
-                           tv_weight=c.tv_weight, conf_weight=c.conf_weight, position_decay=c.position_decay)
-        acc = expected_acceptance(loss.c_star, mask)  # [γ]
-        draft_argmax = logits.detach().argmax(dim=-1)  # [n, γ] draft indices
-        if d2t is not None:
-            draft_argmax = d2t[draft_argmax]
-        metrics = {
-            "loss": loss.total.item(), "ce": loss.ce.item(), "tv": loss.tv.item(), "conf": loss.conf.item(),
-            "acc": float((loss.c_star * mask).sum() / mask.sum().clamp_min(1)),
-            "tau": expected_accepted_length(loss.c_star, mask).item(),
-            "acc_per_pos": [round(float(a), 4) for a in acc],
-            **greedy_metrics(draft_argmax, target_argmax, mask),
-        }
-        return StepLoss(total=loss.total, metrics=metrics)
-
-    def save(self, model: DSparkDrafter, directory: Path) -> None:
-        save_checkpoint(directory, drafter=model)
-
-    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> DSparkDrafter:
-        return load_checkpoint(directory, shared=shared, device=device).drafter
-
-
-DIAGNOSTIC_DECAY = 4.0  # γ_w of the logged tv of the baselines (DSpark's default, so all logs weight alike)
-
-
-@torch.no_grad()
-def acceptance_metrics(draft_logits: torch.Tensor, batch: TrainBatch, lm_head: torch.Tensor, *, decay: float) -> dict[str, Any]:
-    """The diagnostics every algorithm logs, from its teacher-forced draft logits [n, γ, V] of the
-    valid blocks: tv (weighted mean ‖p_d - p_t‖₁, as L_tv), acc (mean c* = 1 - TV), tau (expected
-    accepted length 1 + Σ_k Π_{i<=k} c*_i) and acc_per_pos."""
-    valid = batch.blocks.block_valid
-    n, gamma, vocab = draft_logits.shape
-    mask = batch.label_mask[valid]  # [n, γ]
-    p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), lm_head).view(n, gamma, vocab)
-    p_d = torch.softmax(draft_logits.float(), dim=-1)
-    c_star = acceptance_rate(p_d, p_t)  # [n, γ]
-    tv = weighted_mean((p_d - p_t).abs().sum(-1), position_weights(gamma, decay=decay, device=p_d.device), mask)
-    return {
-        "tv": tv.item(), "acc": float((c_star * mask).sum() / mask.sum().clamp_min(1)),
-        "tau": expected_accepted_length(c_star, mask).item(),
-        "acc_per_pos": [round(float(a), 4) for a in expected_acceptance(c_star, mask)],
-        **greedy_metrics(p_d.argmax(dim=-1), p_t.argmax(dim=-1), mask),
-    }
-
-
-def greedy_metrics(draft_argmax: torch.Tensor, target_argmax: torch.Tensor, mask: torch.Tensor) -> dict[str, Any]:
-    """The temperature-0 diagnostics (losses.greedy_acceptance) every algorithm logs beside c*_k:
-    greedy_tau, greedy_acc_per_pos (conditional argmax agreement) and its denominators."""
-    tau, hits, tries = greedy_acceptance(draft_argmax, target_argmax, mask)  # [], [γ], [γ]
-    return {"greedy_tau": float(tau), "greedy_acc_per_pos": [round(float(h) / max(int(t), 1), 4) for h, t in zip(hits, tries)],
-            "greedy_hits_per_pos": [int(h) for h in hits], "greedy_tries_per_pos": [int(t) for t in tries]}
-
-
-class DFlashAlgorithm:
-    """DFlash: the parallel backbone over [x_0, mask × γ], cross-entropy with position weights."""
-
-    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> DFlashDrafter:
-        cfg = DFlashConfig.from_target(target_config, target_layer_ids=cache.capture_layers, num_layers=config.layers,
-                                       block_size=config.block_size)
-        return DFlashDrafter(cfg, shared=shared)
-
-    def loss(self, model: DFlashDrafter, batch: TrainBatch) -> StepLoss:
-        valid = batch.blocks.block_valid  # [rows, nb]: padding blocks carry no loss
-        logits = model(batch.blocks)[valid]  # [n, γ, V]
-        weights = position_weights(logits.shape[1], decay=model.config.position_decay, device=logits.device)
-        ce = ce_loss(logits, batch.target_tokens[valid], weights, batch.label_mask[valid])  # DFlash Eq. 4
-        metrics = {"loss": ce.item(), "ce": ce.item(), **acceptance_metrics(logits, batch, model.shared.lm_head, decay=DIAGNOSTIC_DECAY)}
-        return StepLoss(total=ce, metrics=metrics)
-
-    def save(self, model: DFlashDrafter, directory: Path) -> None:
-        dflash.save_checkpoint(directory, drafter=model)
-
-    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> DFlashDrafter:
-        return dflash.load_checkpoint(directory, shared=shared, device=device)
-
-
-class Eagle3Algorithm:
-    """EAGLE-3: one layer over fused target features, training-time test over γ steps."""
-
-    def build(self, *, config: TrainConfig, target_config: ModelConfig, cache: TargetCache, shared: SharedWeights) -> Eagle3Drafter:
-        cfg = Eagle3Config.from_target(target_config, target_layer_ids=cache.capture_layers, block_size=config.block_size)
-        return Eagle3Drafter(cfg, shared=shared)
-
-    def loss(self, model: Eagle3Drafter, batch: TrainBatch) -> StepLoss:
-        if batch.context_token_ids is None:
-            raise ValueError("EAGLE-3 reads the context's tokens: the batch has no context_token_ids (build it with build_batch)")
-        out = model(batch.blocks, context_token_ids=batch.context_token_ids, target_tokens=batch.target_tokens)
-        valid = batch.blocks.block_valid
-        logits = out.logits[valid]  # [n, γ, V]: step j's logits of x_j
-        n, gamma, vocab = logits.shape
-        mask = batch.label_mask[valid].to(logits.dtype)  # [n, γ]
-        with torch.no_grad():
-            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head).view(n, gamma, vocab)
-        soft_ce = -(p_t * torch.log_softmax(logits.float(), dim=-1)).sum(-1)  # [n, γ] cross-entropy against p_t
-        per_step = (soft_ce * mask).sum(0) / mask.sum(0).clamp_min(1)  # [γ] mean over blocks with a label
-        step_weights = model.config.step_decay ** torch.arange(gamma, dtype=torch.float32, device=logits.device)
-        total = (step_weights * per_step).sum()  # EAGLE-3: Σ_j 0.8^(j-1) L_j
-        metrics = {"loss": total.item(), "ce": total.item(), **acceptance_metrics(logits, batch, model.shared.lm_head, decay=DIAGNOSTIC_DECAY)}
-        return StepLoss(total=total, metrics=metrics)
-
-    def save(self, model: Eagle3Drafter, directory: Path) -> None:
-        eagle3.save_checkpoint(directory, drafter=model)
-
-    def load(self, directory: Path, *, shared: SharedWeights, device: torch.device) -> Eagle3Drafter:
-        return eagle3.load_checkpoint(directory, shared=shared, device=device)
-
-
-ALGORITHMS: dict[str, DrafterAlgorithm] = {"dspark": DSparkAlgorithm(), "dflash": DFlashAlgorithm(), "eagle3": Eagle3Algorithm()}
 
 
 # ---- schedule -----------------------------------------------------------------------------------
@@ -449,7 +269,7 @@ def train(
     device = torch.device(device)
     run = Path(run_dir)
     ckpt_root = run / CHECKPOINT_DIR
-    algo = ALGORITHMS[config.algo]
+    algo = family(config.algo)
     shared = _shared_on(shared, device)
     total = total_steps(config, cache)
     start = 0
@@ -478,7 +298,7 @@ def train(
         run.mkdir(parents=True, exist_ok=True)
         (run / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2))
         torch.manual_seed(config.seed)
-        model = algo.build(config=config, target_config=target_config, cache=cache, shared=shared).to(device)
+        model = algo.objective.build(config=config, target_config=target_config, cache=cache, shared=shared).to(device)
         optimizer = _make_optimizer(model, config)
         tokens_done = labels_done = 0
         wall_before = 0.0
@@ -500,7 +320,7 @@ def train(
             for group in optimizer.param_groups:
                 group["lr"] = lr
             with autocast:
-                result = algo.loss(model, batch)
+                result = algo.objective.loss(model, batch)
             optimizer.zero_grad(set_to_none=True)
             result.total.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -539,14 +359,14 @@ def train(
         log.close()
     final = run / "final"
     if step >= total:
-        algo.save(model, final)
+        algo.save(final, drafter=model)
     return TrainResult(run_dir=run, final_dir=final, steps=step, losses=losses, summary=summary)
 
 
-def _evaluate(algo: DrafterAlgorithm, model: nn.Module, cache: TargetCache, config: TrainConfig,
+def _evaluate(algo: DrafterFamily, model: nn.Module, cache: TargetCache, config: TrainConfig,
               device: torch.device) -> dict[str, Any] | None:
     """Held-out diagnostics on the cache's held-out split, anchors as dense as in training."""
-    result = evaluate_heldout(algo, model, cache, split="heldout", block_size=config.block_size,
+    result = evaluate_heldout(algo.objective, model, cache, split="heldout", block_size=config.block_size,
                               anchors_per_seq=config.anchors_per_seq, batch_seqs=config.batch_seqs,
                               seed=config.seed, device=device, precision=config.precision,
                               max_sequences=config.eval_sequences)
@@ -558,7 +378,7 @@ def _make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
     return torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay)
 
 
-def _save_training_checkpoint(run: Path, algo: DrafterAlgorithm, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+def _save_training_checkpoint(run: Path, algo: DrafterFamily, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                               step: int, context_tokens: int, label_tokens: int, wall_s: float, keep: int) -> Path:
     root = run / CHECKPOINT_DIR
     name = f"step-{step:07d}"
@@ -566,7 +386,7 @@ def _save_training_checkpoint(run: Path, algo: DrafterAlgorithm, model: nn.Modul
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
-    algo.save(model, d)
+    algo.save(d, drafter=model)
     rest = save_optimizer(d / OPTIMIZER_FILE, optimizer)
     state = {"step": step, "context_tokens": context_tokens, "label_tokens": label_tokens, "wall_s": wall_s,
              "optimizer": rest, "torch_rng": torch.get_rng_state().tolist()}
@@ -594,6 +414,6 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "ALGORITHMS", "DFlashAlgorithm", "DSparkAlgorithm", "DrafterAlgorithm", "Eagle3Algorithm", "StepLoss", "TrainConfig",
-    "TrainResult", "acceptance_metrics", "batch_schedule", "learning_rate", "load_optimizer", "read_metrics", "save_optimizer", "total_steps", "train",
+    "TrainConfig", "TrainResult", "batch_schedule", "learning_rate", "load_optimizer", "read_metrics", "save_optimizer", "total_steps",
+    "train",
 ]

@@ -3,8 +3,8 @@
     drafter = RemoteDrafter("127.0.0.1:50052")         # waits for the server, reads GetInfo
     engine = SpeculativeEngine.from_parts(verifier=RemoteVerifier(...), drafter=drafter)
 
-It implements the engine's optional drafter hooks (dspark/engine/speculative.py):
-`add_request` registers a request with the service (its prompt and sampling settings: the
+Its spec is what the service's GetInfo declares; each lifecycle method of the contract is one
+RPC: `add_request` registers a request with the service (its prompt and sampling settings: the
 service seeds the request's draft stream from them; an id it already holds is replaced, so the
 engine can register a request again after a failure, from its tokens so far), `observe_many` forwards the verifier's
 hidden states of a round in one AppendFeatures call, `remove_requests` frees many at once. A
@@ -19,7 +19,7 @@ from __future__ import annotations
 import grpc
 import torch
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 from dspark.protos import convert, validate
 from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.sampling.params import SamplingParams
@@ -30,7 +30,7 @@ from services.wire_bytes import WireBytes
 __all__ = ["RemoteDrafter"]
 
 
-class RemoteDrafter:
+class RemoteDrafter(Drafter):
     def __init__(
         self,
         address: str,
@@ -51,10 +51,12 @@ class RemoteDrafter:
             address, drafter_pb2_grpc.DrafterStub, drafter_pb2.GetDrafterInfoRequest(), service="drafter",
             connect_timeout_s=connect_timeout_s, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls, wire_bytes=wire_bytes)
         self._check_reply(lambda: validate.drafter_info(info), "GetInfo")
-        self.name: str = info.name
-        self.needs_hidden_states: bool = info.needs_hidden_states
-        self.capture_layers: tuple[int, ...] = tuple(info.capture_layers)
-        self.provides_confidences: bool = info.provides_confidences
+        # DrafterInfo carries no block_size or draft_vocab_size: the engine reads neither (they
+        # stay at "no bound of its own" / "the target's vocabulary")
+        self.spec = DrafterSpec(name=info.name, needs_hidden_states=info.needs_hidden_states,
+                                capture_layers=tuple(info.capture_layers) if info.needs_hidden_states else (),
+                                provides_confidences=info.provides_confidences,
+                                free_proposals=info.free_proposals)  # it proposes lookups on rounds the draft gate skips
         self.vocab_size: int = info.vocab_size
         self.hidden_size: int = info.hidden_size
         self._known_tokens: dict[str, int] = {}  # request -> tokens the service holds (it keeps the sequence)
@@ -68,8 +70,8 @@ class RemoteDrafter:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        msg = drafter_pb2.DrafterAddRequest(request_id=request_id, prompt_ids=prompt_ids, params=convert.sampling_params_to_proto(params))
+    def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        msg = drafter_pb2.DrafterAddRequest(request_id=request_id, prompt_ids=token_ids, params=convert.sampling_params_to_proto(params))
         where = self._where("AddRequest")
         try:
             self._stub.AddRequest(msg, timeout=self.deadline_s)
@@ -80,7 +82,7 @@ class RemoteDrafter:
             # failure: the engine registers a request again from its tokens so far). Replace it.
             self.remove_requests([request_id])
             call(self._stub.AddRequest, msg, timeout=self.deadline_s, where=where)
-        self._known_tokens[request_id] = len(prompt_ids)
+        self._known_tokens[request_id] = len(token_ids)
 
     def remove_request(self, request_id: str) -> None:
         self.remove_requests([request_id])

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from dspark.drafters.base import Drafter, NoDrafter
+from dspark.drafters.base import Drafter, NoDrafter, checked_spec
 from dspark.engine.speculative import draft_stream_seed
 from dspark.protos import DRAFTER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
@@ -47,12 +47,13 @@ class _DraftState:
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter | None, *, vocab_size: int, hidden_size: int = 0):
         self.drafter: Drafter = drafter if drafter is not None else NoDrafter()
+        self.spec = checked_spec(self.drafter)  # TypeError for anything but a Drafter declaring a DrafterSpec
         self.vocab_size = vocab_size
-        self.needs_hidden = bool(getattr(self.drafter, "needs_hidden_states", False))
-        self.capture_layers = tuple(getattr(self.drafter, "capture_layers", ())) if self.needs_hidden else ()
+        self.needs_hidden = self.spec.needs_hidden_states
+        self.capture_layers = self.spec.capture_layers
         self.hidden_size = hidden_size if self.needs_hidden else 0
         if self.needs_hidden and hidden_size < 1:
-            raise ValueError(f"drafter {self.drafter.name!r} reads hidden states: pass the target's hidden_size")
+            raise ValueError(f"drafter {self.spec.name!r} reads hidden states: pass the target's hidden_size")
         self._states: dict[str, _DraftState] = {}
         self._lock = threading.Lock()  # drafters are single-threaded
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
@@ -76,19 +77,20 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 self._states[request.request_id] = _DraftState(
                     token_ids=list(request.prompt_ids), generator=torch.Generator().manual_seed(draft_stream_seed(seed))
                 )
+                self.drafter.add_request(request.request_id, list(request.prompt_ids),
+                                         convert.sampling_params_from_proto(request.params))
             return drafter_pb2.DrafterAddResponse()
 
     def AppendFeatures(self, request: drafter_pb2.AppendFeaturesRequest, context) -> drafter_pb2.AppendFeaturesResponse:
         with rpc_errors(context, "Drafter.AppendFeatures"):
             if not self.needs_hidden:
-                raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {self.drafter.name!r} reads no hidden states")
+                raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {self.spec.name!r} reads no hidden states")
             validate.append_features(request, num_capture_layers=len(self.capture_layers), hidden_size=self.hidden_size)
             features = convert.append_features_from_proto(request)  # request id -> [n_new, m, hidden]
             with self._lock:
                 for rid in features:
                     self._state(rid, "AppendFeatures")
-                for rid, f in features.items():
-                    self.drafter.observe(rid, f)
+                self.drafter.observe_many(features)
             return drafter_pb2.AppendFeaturesResponse()
 
     def RemoveRequest(self, request: drafter_pb2.DrafterRemoveRequest, context) -> drafter_pb2.DrafterRemoveResponse:
@@ -99,7 +101,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 for rid in request.request_ids:
                     if self._states.pop(rid, None) is not None:
                         removed += 1
-                    self.drafter.remove_request(rid)
+                self.drafter.remove_requests(list(request.request_ids))
             return drafter_pb2.DrafterRemoveResponse(num_removed=removed)
 
     def Draft(self, request: drafter_pb2.DraftRoundRequest, context):
@@ -115,28 +117,30 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     reqs.append(req)
                 proposals = self.drafter.propose(reqs) if reqs else []
             if len(proposals) != len(reqs):
-                raise RuntimeError(f"drafter {self.drafter.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
+                raise RuntimeError(f"drafter {self.spec.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
             blocks = []
             for req, p in zip(reqs, proposals):
                 if len(p) > req.max_draft_tokens:
-                    raise RuntimeError(f"drafter {self.drafter.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
+                    raise RuntimeError(f"drafter {self.spec.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
                 blocks.append(convert.draft_block_to_proto(request.round_id, req.request_id, p))
         yield from blocks
 
     def GetInfo(self, request: drafter_pb2.GetDrafterInfoRequest, context) -> drafter_pb2.DrafterInfo:
         with rpc_errors(context, "Drafter.GetInfo"):
             return drafter_pb2.DrafterInfo(
-                name=self.drafter.name, needs_hidden_states=self.needs_hidden, capture_layers=list(self.capture_layers),
-                provides_confidences=bool(getattr(self.drafter, "provides_confidences", False)), vocab_size=self.vocab_size,
-                hidden_size=self.hidden_size,
+                name=self.spec.name, needs_hidden_states=self.needs_hidden, capture_layers=list(self.capture_layers),
+                provides_confidences=self.spec.provides_confidences, vocab_size=self.vocab_size,
+                hidden_size=self.hidden_size, free_proposals=self.spec.free_proposals,
             )
 
     def _check_features(self, request_id: str, num_tokens: int) -> None:
         """A stateful drafter must hold the features of every position before the anchor."""
-        context_len = getattr(self.drafter, "context_len", None)
-        if self.needs_hidden and context_len is not None and context_len(request_id) != num_tokens - 1:
+        if not self.needs_hidden:
+            return
+        held = self.drafter.context_len(request_id)
+        if held != num_tokens - 1:
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"Draft: request {request_id!r}: the drafter holds features of {context_len(request_id)} positions, "
+                           f"Draft: request {request_id!r}: the drafter holds features of {held} positions, "
                            f"the anchor sits at position {num_tokens - 1}; AppendFeatures every verified position first")
 
 

@@ -173,10 +173,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 def _reachable(engine: SpeculativeEngine) -> tuple[int, int]:
     """(drafters, verifiers) answering SERVING now: a remote part's health check; an in-process
     part counts as reachable, plain decoding (no drafter) as no drafter."""
+    from services.drafter.client import RemoteDrafter
+    from services.verifier.client import RemoteVerifier
+
     counts = []
-    for part in (engine.drafter, engine.verifier):
-        is_serving = getattr(part, "is_serving", None)
-        counts.append(0 if isinstance(part, NoDrafter) else int(is_serving() if is_serving is not None else True))
+    for part, remote in ((engine.drafter, RemoteDrafter), (engine.verifier, RemoteVerifier)):
+        counts.append(0 if isinstance(part, NoDrafter) else int(part.is_serving() if isinstance(part, remote) else True))
     return counts[0], counts[1]
 
 

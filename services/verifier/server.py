@@ -22,7 +22,7 @@ import time
 import grpc
 import torch
 
-from dspark.engine.verifier import LocalVerifier, VerifyBatch
+from dspark.engine.verifier import LocalVerifier, VerifyBatch, resolve_sampler_backend
 from dspark.protos import VERIFIER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import verifier_pb2, verifier_pb2_grpc
 from dspark.sampling import DraftProbs
@@ -127,6 +127,7 @@ def build_local_verifier(config: ServingConfig) -> LocalVerifier:
     from dspark.profiling.sps import profile_sps
 
     m, d, v = config.model, config.drafter, config.verifier
+    resolve_sampler_backend(v.sampler_backend, "cpu")  # the runtime keeps the target on the CPU: refuse triton before loading it
     capture = drafter_capture_layers(d.name, d.path or None)  # the layers the drafter reads, if any
     runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, kv_budget_mb=m.kv_budget_mb, capture_layers=capture,
                                               max_model_len=m.max_model_len or None))

@@ -44,6 +44,7 @@ def test_policy_none_is_plain_decoding_and_the_others_share_the_drafter():
     assert dspark[dspark.index("--sps-max-batch") + 1] == "32" and "--kv-budget-mb" not in dspark
 
 
+@pytest.mark.processes
 def test_a_server_is_waited_for_until_healthy_and_stopped_after(tmp_path):
     script = tmp_path / "health_server.py"
     script.write_text(HEALTH_SERVER)
@@ -58,6 +59,7 @@ def test_a_server_is_waited_for_until_healthy_and_stopped_after(tmp_path):
     assert "listening" in (tmp_path / "log.txt").read_text()
 
 
+@pytest.mark.processes
 def test_a_server_that_exits_first_is_an_error_quoting_its_log(tmp_path):
     cmd = [sys.executable, "-c", "import sys; print('error: the dspark drafter needs a checkpoint'); sys.exit(2)"]
     with (pytest.raises(RuntimeError, match=r"(?s)exited with code 2.*needs a checkpoint"),
@@ -65,6 +67,7 @@ def test_a_server_that_exits_first_is_an_error_quoting_its_log(tmp_path):
         pytest.fail("the body must not run")
 
 
+@pytest.mark.processes
 def test_a_server_that_never_gets_healthy_times_out_and_is_stopped(tmp_path):
     script = tmp_path / "health_server.py"
     script.write_text(HEALTH_SERVER)

@@ -40,6 +40,7 @@ def tiny_gateway_url():
     engine.shutdown()
 
 
+@pytest.mark.processes
 def test_rss_is_read_from_proc_and_none_once_a_process_has_exited():
     assert rss_bytes(os.getpid()) > 10 * 2**20
     process = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -64,6 +65,7 @@ def test_a_server_that_refuses_the_warm_up_is_an_error_not_a_soak(tiny_gateway_u
         asyncio.run(run_soak(tiny_gateway_url, {"this process": os.getpid()}, config))
 
 
+@pytest.mark.processes
 def test_the_command_soaks_dspark_serve_on_loopback_and_exits_0(tmp_path, capsys):
     model_dir = tmp_path / "tiny-model"
     model_dir.mkdir()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dspark.calibration.collect import calibrate, collect_acceptance, verify_logits
-from dspark.drafters.dspark import SharedWeights, load_checkpoint
+from dspark.drafters.dspark import load_checkpoint
+from dspark.drafters.shared import SharedWeights
 from dspark.training.trainer import TrainConfig, train
 from tests.training.test_target_cache import make_tiny_cache, tiny_runtime
 

@@ -57,6 +57,8 @@ from tests.deploy.manifests import (
     the_container,
 )
 
+pytestmark = pytest.mark.processes  # renders deploy/k8s with `kubectl kustomize`
+
 ALL = pytest.mark.parametrize("name", list(KUSTOMIZATIONS))
 GRPC_SERVICES = ("scheduler", "drafter", "verifier")
 SCHEMA_VERSION = "1.30.0"  # an older release still in use (the manifests need >= 1.27: gRPC probes)

@@ -35,6 +35,8 @@ from tests.deploy.manifests import (
 )
 from tests.deploy.test_k8s_manifests import GRPC_SERVICES, serving_config
 
+pytestmark = pytest.mark.processes  # renders deploy/k8s with `kubectl kustomize`
+
 COMPONENT = K8S_DIR / "components" / "mtls"
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 SECRET_FILES = {"tls_ca_path": "ca.crt", "tls_cert_path": "tls.crt", "tls_key_path": "tls.key"}  # a cert-manager Secret's keys

@@ -53,6 +53,7 @@ def _get(url: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_gateway_pod_command_serves_its_health_probe_and_the_configured_model(tmp_path):
     if not _reachable(REDIS_URL):
         pytest.skip(f"no Redis at {REDIS_URL}")

@@ -15,9 +15,10 @@ import torch
 
 from dspark.drafters.checkpoint_io import checkpoint_algo
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, load_checkpoint, save_checkpoint
-from dspark.drafters.dspark import DSparkConfig, DSparkDrafter, SharedWeights
+from dspark.drafters.dspark import DSparkConfig, DSparkDrafter
 from dspark.drafters.dspark import save_checkpoint as save_dspark_checkpoint
 from dspark.drafters.dspark.model import BlockBatch, DraftBlock
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from tests.drafters.conftest import with_random_norms
 from tests.drafters.test_dspark_model import HIDDEN, M, random_context, reference_block_hidden, sample_batch

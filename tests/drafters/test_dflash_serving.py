@@ -15,7 +15,8 @@ from dspark.drafters import drafter_capture_layers, make_drafter
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter, save_checkpoint
 from dspark.drafters.dflash.serving import DFlashServingDrafter
-from dspark.drafters.dspark.model import BlockBatch, DraftBlock, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch, DraftBlock
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs
@@ -108,8 +109,8 @@ def test_make_drafter_builds_it_from_a_checkpoint_and_it_offers_no_confidences(t
     save_checkpoint(tmp_path / "dflash", drafter=make_serving_drafter(runtime, seed=4).model)
     assert drafter_capture_layers("dflash", tmp_path / "dflash") == (1, 3)
     drafter = make_drafter("dflash", runtime=runtime, path=tmp_path / "dflash")
-    assert isinstance(drafter, DFlashServingDrafter) and drafter.name == "dflash"
-    assert drafter.needs_hidden_states and not drafter.provides_confidences
+    assert isinstance(drafter, DFlashServingDrafter) and drafter.spec.name == "dflash"
+    assert drafter.spec.needs_hidden_states and not drafter.spec.provides_confidences
     with pytest.raises(ValueError, match="needs calibrated confidences"):
         SpeculativeEngine(runtime, drafter, policy=parse_policy("dspark"))
     with pytest.raises(ValueError, match="holds a 'dflash' drafter checkpoint; use --drafter dflash"):

@@ -19,7 +19,6 @@ from dspark.drafters.dspark import (
     DraftBlock,
     DSparkConfig,
     DSparkDrafter,
-    SharedWeights,
     block_attention_mask,
     load_checkpoint,
     save_checkpoint,
@@ -31,6 +30,7 @@ from dspark.drafters.dspark.heads import (
     sample_sequential,
     teacher_forced_logits,
 )
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import default_capture_layers
 from dspark.sampling.params import logits_to_probs

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from dspark.drafters.checkpoint_io import checkpoint_algo
-from dspark.drafters.dspark.model import BlockBatch, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, load_checkpoint, save_checkpoint
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import default_capture_layers
 from tests.drafters.conftest import with_random_norms

@@ -14,9 +14,10 @@ import torch
 
 from dspark.drafters import drafter_capture_layers, make_drafter
 from dspark.drafters.base import DraftRequest
-from dspark.drafters.dspark.model import BlockBatch, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter, save_checkpoint
 from dspark.drafters.eagle3.serving import Eagle3ServingDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs
@@ -141,8 +142,8 @@ def test_make_drafter_builds_it_from_a_checkpoint(tiny_runtime_factory, tmp_path
     save_checkpoint(tmp_path / "eagle3", drafter=make_serving_drafter(runtime, seed=4).model)
     assert drafter_capture_layers("eagle3", tmp_path / "eagle3") == (1, 3)
     drafter = make_drafter("eagle3", runtime=runtime, path=tmp_path / "eagle3")
-    assert isinstance(drafter, Eagle3ServingDrafter) and drafter.name == "eagle3"
-    assert drafter.needs_hidden_states and not drafter.provides_confidences
+    assert isinstance(drafter, Eagle3ServingDrafter) and drafter.spec.name == "eagle3"
+    assert drafter.spec.needs_hidden_states and not drafter.spec.provides_confidences
     with pytest.raises(ValueError, match="holds a 'eagle3' drafter checkpoint; use --drafter eagle3"):
         make_drafter("dflash", runtime=runtime, path=tmp_path / "eagle3")
     with pytest.raises(ValueError, match="capture_layers"):

@@ -112,8 +112,8 @@ def test_dspark_lookup_loads_a_dspark_checkpoint_by_name(tiny_runtime_factory, t
     runtime = tiny_runtime_factory(capture_layers=(1, 3))
     save_checkpoint(tmp_path / "ckpt", drafter=make_serving_drafter(runtime).model)
     drafter = make_drafter("dspark-lookup", runtime=runtime, path=tmp_path / "ckpt")
-    assert isinstance(drafter, LookupDrafter) and drafter.name == "dspark-lookup" and drafter.model.name == "dspark"
-    assert drafter_capture_layers("dspark-lookup", tmp_path / "ckpt") == (1, 3) == drafter.capture_layers
+    assert isinstance(drafter, LookupDrafter) and drafter.spec.name == "dspark-lookup" and drafter.model.spec.name == "dspark"
+    assert drafter_capture_layers("dspark-lookup", tmp_path / "ckpt") == (1, 3) == drafter.spec.capture_layers
     with pytest.raises(ValueError, match="unknown drafter"):
         make_drafter("ngram-lookup")
 
@@ -137,8 +137,8 @@ def test_greedy_output_with_lookups_equals_plain_decoding(tiny_runtime_factory, 
 
     plain, spec_states = generate(None, None), generate(drafter, policy)
     assert [s.output_ids for s in spec_states] == [s.output_ids for s in plain]
-    drafted, _ = totals(spec_states)
-    assert drafted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
+    drafted, accepted = totals(spec_states)
+    assert drafted > 0 and accepted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
     assert runtime.kv.reserved_tokens == 0
 
 
@@ -169,3 +169,31 @@ def test_rounds_the_draft_gate_skips_still_get_lookups_and_never_the_model(tiny_
     assert drafter.lookup_proposals > engine.counters.rounds_without_drafting  # lookups on the skipped rounds
     drafted, accepted = totals(states)
     assert drafted > 0 and accepted > 0
+
+
+def test_the_draft_gate_learns_from_the_models_proposals_only(tiny_runtime_factory):
+    """A lookup costs no model forward: the gate, which decides whether the MODEL drafts, records
+    per round only the requests the model drafted for (none: no record), so cheap, well-accepted
+    lookups cannot talk it into running a model that does not pay."""
+    from dspark.scheduling.draft_gate import DraftGate
+
+    class RecordingGate(DraftGate):
+        def record(self, *, num_requests, draft_seconds, verified, accepted):
+            calls.append(num_requests)
+            super().record(num_requests=num_requests, draft_seconds=draft_seconds, verified=verified, accepted=accepted)
+
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime), min_n=1)
+    engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4, policy=parse_policy("dspark"))
+    engine.sps_profile = PROFILE
+    engine.draft_gate = RecordingGate(draft_s_per_request=0.001, probe_every=2)  # a fixed price: no timing noise
+    prompts = [*REPEATING_PROMPTS, list(range(40, 60))]  # repetitive ones get lookups, the last one the model
+    for i, q in enumerate(prompts):
+        engine.add_request(GenerationRequest(f"r{i}", q, 24, GREEDY))
+    per_round = []
+    while engine.has_unfinished:
+        calls, before = [], drafter.model_proposals
+        engine.step()
+        per_round.append((drafter.model_proposals - before, calls))
+    assert all(calls == ([n] if n else []) for n, calls in per_round), per_round
+    assert drafter.lookup_proposals > 0 and any(n for n, _ in per_round)  # both kinds happened

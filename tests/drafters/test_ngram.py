@@ -113,4 +113,4 @@ def test_invalid_ngram_bounds_are_a_value_error(min_n, max_n):
 def test_the_drafter_keeps_no_per_request_state():
     drafter = NgramDrafter()
     drafter.remove_request("never-seen")  # a no-op, not an error
-    assert drafter.name == "ngram"
+    assert drafter.spec.name == "ngram"

@@ -3,12 +3,12 @@
 For the same context and anchor, the rows a serving drafter's `propose()` samples from, after
 `observe()` of the target's captured layer outputs of the context positions (one call per
 verified stretch, as dspark/engine/speculative.py `_hand_over_features` hands them over), equal
-the teacher-forced training forward's distributions: the forward each family's `loss` in
-dspark/training/trainer.py calls, on a batch from dspark/training/anchors.py `build_batch`
-(several anchors of a sequence in one row), teacher-forced along the tokens serving actually
+the teacher-forced training forward's distributions: the forward each family's objective
+(dspark/drafters/<family>/objective.py) calls in its `loss`, on a batch from
+dspark/training/anchors.py `build_batch` (several anchors of a sequence in one row), teacher-forced along the tokens serving actually
 drafted, so that block position k > 1 conditions on the same x_1..x_{k-1}. Families: DSpark
-(Markov and RNN heads), DFlash, EAGLE-3; each tiny random drafter is saved by its training
-algorithm (`ALGORITHMS[algo].save`) and served as `--drafter ALGO --drafter-path DIR` loads it
+(Markov and RNN heads), DFlash, EAGLE-3; each tiny random drafter is saved as training saves it
+(the registry's `family(algo).save`) and served as `--drafter ALGO --drafter-path DIR` loads it
 (`make_drafter`, whose LM head runs through the target's packed GEMM).
 
 Both sides read the same numbers: the tiny target cache of tests/training/test_target_cache.py
@@ -53,15 +53,15 @@ import pytest
 import torch
 from torch import nn
 
-from dspark.drafters import make_drafter
+from dspark.drafters import make_drafter, registry
 from dspark.drafters.base import DraftProposal, DraftRequest
 from dspark.drafters.dflash import DFlashDrafter
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.eagle3 import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.sampling.params import SamplingParams
 from dspark.training.anchors import TrainBatch, build_batch
 from dspark.training.target_cache import TargetCache
-from dspark.training.trainer import ALGORITHMS
 from tests.drafters import test_dflash_serving, test_dspark_serving, test_eagle3_serving
 from tests.drafters.conftest import with_random_norms
 from tests.training.test_target_cache import make_tiny_cache, tiny_runtime
@@ -107,15 +107,15 @@ def build_eagle3(runtime) -> Eagle3Drafter:
     return with_random_norms(test_eagle3_serving.make_serving_drafter(runtime, seed=1).model, seed=2)
 
 
-def dspark_teacher_forced(model: DSparkDrafter, batch: TrainBatch) -> torch.Tensor:  # as DSparkAlgorithm.loss
+def dspark_teacher_forced(model: DSparkDrafter, batch: TrainBatch) -> torch.Tensor:  # as DSparkObjective.loss
     return model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)[0]
 
 
-def dflash_teacher_forced(model: DFlashDrafter, batch: TrainBatch) -> torch.Tensor:  # as DFlashAlgorithm.loss
+def dflash_teacher_forced(model: DFlashDrafter, batch: TrainBatch) -> torch.Tensor:  # as DFlashObjective.loss
     return model(batch.blocks)[batch.blocks.block_valid]
 
 
-def eagle3_teacher_forced(model: Eagle3Drafter, batch: TrainBatch) -> torch.Tensor:  # as Eagle3Algorithm.loss
+def eagle3_teacher_forced(model: Eagle3Drafter, batch: TrainBatch) -> torch.Tensor:  # as Eagle3Objective.loss
     out = model(batch.blocks, context_token_ids=batch.context_token_ids, target_tokens=batch.target_tokens)
     return out.logits[batch.blocks.block_valid]
 
@@ -125,7 +125,7 @@ class Family:
     algo: str  # `dspark train --algo` / `--drafter`
     build: Callable  # runtime -> the tiny random drafter model
     # (model, batch) -> logits [valid blocks, γ, V], row-major as batch.blocks.block_valid: the
-    # forward the family's `loss` in dspark/training/trainer.py calls
+    # forward the family's objective calls in its `loss` (dspark/drafters/<family>/objective.py)
     teacher_forced: Callable[[nn.Module, TrainBatch], torch.Tensor]
     conditions_on_drafts: bool  # whether row k depends on x_1..x_{k-1} (DFlash's rows do not)
 
@@ -155,11 +155,11 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory, runtime) -> dict[str, Path]:
-    """Every family's tiny drafter saved by its training algorithm (ALGORITHMS[algo].save)."""
+    """Every family's tiny drafter saved as training saves it (registry.family(algo).save)."""
     paths = {}
-    for name, family in FAMILIES.items():
+    for name, case in FAMILIES.items():
         paths[name] = tmp_path_factory.mktemp(name)
-        ALGORITHMS[family.algo].save(family.build(runtime), paths[name])
+        registry.family(case.algo).save(paths[name], drafter=case.build(runtime))
     return paths
 
 
@@ -287,7 +287,7 @@ def test_dspark_confidences_are_the_sigmoid_of_the_teacher_forced_confidence_log
     proposals = serve_in_one_call(drafter, cache, blocks, temperature=1.0)
     drafts = [p.token_ids.tolist() for p in proposals]
 
-    def confidence_logits(model: DSparkDrafter, batch: TrainBatch) -> torch.Tensor:  # [n, γ] as DSparkAlgorithm.loss
+    def confidence_logits(model: DSparkDrafter, batch: TrainBatch) -> torch.Tensor:  # [n, γ] as DSparkObjective.loss
         return model.forward_valid(batch.blocks, target_tokens=batch.target_tokens)[1]
 
     expected = training_forward(confidence_logits, drafter.model, cache, blocks, drafts)  # per block [k]

@@ -1,14 +1,17 @@
 """Draft-length policies inside the engine: every policy leaves the output exactly the target's.
 
-Greedy output equals plain decoding for none, fixed:K, threshold:C, dspark and dspark-async;
-the policies really change how many drafts are verified; at temperature 1 the dspark policy
-(Algorithm 1 with the break) keeps the sampled distribution exact (chi-square).
+Greedy output equals plain decoding for none, fixed:K, threshold:C, dspark and dspark-async,
+with drafts verified and some accepted (none: no drafts at all); the policies really change how
+many drafts are verified; at temperature 1 the dspark policy (Algorithm 1 with the break) and
+dspark-async keep the sampled distribution exact (chi-square), and the same test rejects a policy
+whose decision to verify a draft depends on that draft.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +19,8 @@ from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import parse_policy
-from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
+from tests.distribution_checks import P_PASS, P_WRONG, chi_square_pvalue, exact_sequence_probs, losslessness_pvalue
+from tests.drafters.engine_checks import sample_continuations
 from tests.drafters.test_dspark_serving import make_serving_drafter
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -38,6 +42,11 @@ def test_greedy_output_is_plain_decoding_whatever_the_policy(tiny_runtime_factor
     spec_states = run(runtime, make_serving_drafter(runtime), parse_policy(spec), PROMPTS)
     for a, b in zip(plain, spec_states):
         assert a.output_ids == b.output_ids
+    drafted, accepted = sum(s.draft_tokens for s in spec_states), sum(s.accepted_tokens for s in spec_states)
+    if spec == "none":
+        assert drafted == 0
+    else:  # drafts were verified and some accepted: an engine that never speculates fails here
+        assert drafted > 0 and accepted > 0
     assert runtime.kv.reserved_tokens == 0
 
 
@@ -91,6 +100,56 @@ def test_sampled_tokens_keep_the_target_distribution_under_algorithm_1(tiny_runt
     assert 0 < drafted < 2 * sum(s.rounds for s in states)  # Algorithm 1 admitted some drafts, not all
     samples = Counter(tuple(s.output_ids[:num_tokens]) for s in states)
     assert chi_square_pvalue(samples, exact, num_samples) > 1e-3
+
+
+class VerifiesOnlyWhenTheSecondConfidenceIsHigh:
+    """A wrong policy: dspark-async, except that a request's drafts are verified only when c_2 is
+    above the round's median. c_2 depends on x_1, so whether x_1 is verified depends on x_1 itself
+    (dspark-async's own choice of draft k depends only on c_1..c_k, i.e. on x_1..x_{k-1})."""
+
+    spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting = "peeking", True, True, None, False
+
+    def __init__(self):
+        self.inner = parse_policy("dspark-async")
+
+    def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None, prefill_tokens=0, prefill_emitted=0):
+        ell = self.inner.draft_lengths(request_ids=request_ids, num_drafts=num_drafts, confidences=confidences,
+                                       sps_table=sps_table, prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
+        c = np.asarray(confidences)  # [R, γ]
+        return np.where(c[:, 1] < np.median(c[:, 1]), 0, ell) if c.shape[1] >= 2 else ell
+
+    def remove_request(self, request_id):
+        self.inner.remove_request(request_id)
+
+
+def dspark_async_pvalue(runtime, policy, *, num_samples: int = 3000) -> float:
+    """Chi-square p-value of 3-token continuations sampled at temperature 1 under `policy`, after a
+    warm-up: dspark-async sizes a round from confidences two rounds old, so an engine's first two
+    rounds admit no drafts; the warm-up's rounds give the new requests a population row to borrow."""
+    prompt, num_tokens = [3, 1, 4, 1, 5], 3
+    exact = exact_sequence_probs(runtime, prompt, num_tokens)
+    engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2,
+                               policy=policy)
+    engine.sps_profile = SPSProfile(batch_sizes=[1, 10_000], step_seconds=[0.010, 0.020])  # admits some drafts, not all
+    engine.generate([GenerationRequest(f"warm{i}", prompt, 6, SamplingParams(temperature=1.0, seed=10**6 + i)) for i in range(8)])
+    rounds_before = engine.counters.decode_request_rounds
+    samples, drafted, accepted = sample_continuations(engine, prompt, num_samples=num_samples, num_tokens=num_tokens)
+    decode_rounds = engine.counters.decode_request_rounds - rounds_before
+    assert num_samples <= drafted < 2 * decode_rounds  # the policy admitted drafts, but not every one
+    assert 0.05 * drafted < accepted < 0.95 * drafted
+    return losslessness_pvalue(samples, exact, num_samples)
+
+
+def test_sampled_tokens_keep_the_target_distribution_under_dspark_async(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                                   capture_layers=(0, 1))
+    assert dspark_async_pvalue(runtime, parse_policy("dspark-async")) > P_PASS
+
+
+def test_the_same_test_rejects_a_policy_whose_choice_of_a_draft_depends_on_that_draft(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                                   capture_layers=(0, 1))
+    assert dspark_async_pvalue(runtime, VerifiesOnlyWhenTheSecondConfidenceIsHigh()) < P_WRONG
 
 
 def test_a_policy_that_needs_confidences_refuses_a_drafter_without_them(tiny_runtime):

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
 from dspark.evaluation.prompts import load_first_turns
@@ -37,10 +37,10 @@ PROMPTS = [  # token ids for the tiny model (vocab 256): repetitive ones, random
 # ---- test drafters ------------------------------------------------------------------------
 
 
-class RandomTokenDrafter:
+class RandomTokenDrafter(Drafter):
     """Proposes uniformly random tokens as point masses: nearly always wrong."""
 
-    name = "random"
+    spec = DrafterSpec(name="random")
 
     def __init__(self, vocab_size: int, seed: int):
         self.vocab_size = vocab_size
@@ -53,14 +53,11 @@ class RandomTokenDrafter:
             for r in requests
         ]
 
-    def remove_request(self, request_id: str) -> None:
-        pass
 
-
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the known greedy continuation of each prompt: every draft is right."""
 
-    name = "oracle"
+    spec = DrafterSpec(name="oracle")
 
     def __init__(self, continuations: dict[tuple[int, ...], list[int]]):
         self.continuations = continuations
@@ -74,15 +71,12 @@ class OracleDrafter:
             out.append(DraftProposal.point_mass(draft) if draft else DraftProposal.empty())
         return out
 
-    def remove_request(self, request_id: str) -> None:
-        pass
 
-
-class FixedDistributionDrafter:
+class FixedDistributionDrafter(Drafter):
     """Samples every draft token iid from one fixed p_d (sparse: `ids` with `probs`), and
     reports that row: the rejection sampler must then correct towards the target exactly."""
 
-    name = "fixed-distribution"
+    spec = DrafterSpec(name="fixed-distribution")
 
     def __init__(self, ids: list[int], probs: torch.Tensor, seed: int):
         self.ids = torch.tensor(ids, dtype=torch.long)  # [k]
@@ -106,9 +100,6 @@ class FixedDistributionDrafter:
             ))
         self.proposed += sum(counts)
         return out
-
-    def remove_request(self, request_id: str) -> None:
-        pass
 
 
 # ---- helpers ------------------------------------------------------------------------------

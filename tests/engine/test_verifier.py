@@ -227,9 +227,23 @@ def test_auto_picks_the_triton_sampler_only_for_logits_on_a_cuda_device():
 
     assert resolve_sampler_backend("auto", "cpu") == "torch"  # even on a machine with a GPU
     assert resolve_sampler_backend("auto", "cuda") == ("triton" if torch.cuda.is_available() else "torch")
-    assert resolve_sampler_backend("triton", "cpu") == "triton"
     with pytest.raises(ValueError, match="sampler_backend must be"):
         resolve_sampler_backend("fast")
+
+
+def test_the_triton_sampler_for_a_cpu_runtime_is_refused_when_the_verifier_is_built(tiny_runtime, monkeypatch):
+    """Not at the first round: the message names the device and what to use instead."""
+    from dspark.engine.verifier import resolve_sampler_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for build in (lambda: LocalVerifier(tiny_runtime, sampler_backend="triton"),
+                  lambda: SpeculativeEngine(tiny_runtime, None, sampler_backend="triton")):
+        with pytest.raises(ValueError, match=r"'triton' runs the fused kernel on CUDA tensors, but the target's logits live "
+                                             r"on cpu: use 'auto' or 'torch'"):
+            build()
+    assert LocalVerifier(tiny_runtime, sampler_backend="torch").sampler_backend == "torch"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's interpreter runs the kernel on CPU tensors (tests)
+    assert resolve_sampler_backend("triton", "cpu") == "triton"
 
 
 def test_the_engine_takes_exactly_one_of_a_runtime_or_a_verifier(tiny_runtime):

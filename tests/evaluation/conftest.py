@@ -15,7 +15,8 @@ import torch
 
 from dspark.drafters.dspark.checkpoint import save_checkpoint
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.model.transformer import Transformer
 from tests.conftest import random_hf_state_dict

@@ -116,7 +116,7 @@ def test_a_prompt_too_long_for_the_context_is_skipped_with_its_later_turns(tiny_
 def test_the_recorder_refuses_rounds_that_verified_other_than_what_was_proposed():
     recorder = RecordingDrafter(NgramDrafter())
     (proposal,) = recorder.propose([DraftRequest("r", [1, 2, 3, 1, 2, 3, 1, 2], 8, SamplingParams(), max_draft_tokens=3)])
-    assert len(proposal) == 3 and recorder.name == "ngram"  # attributes pass through
+    assert len(proposal) == 3 and recorder.spec == NgramDrafter.spec  # the declarations are the wrapped drafter's
     with pytest.raises(RuntimeError, match="scheduler off"):
         recorder.take("r", 2)
 

@@ -44,6 +44,7 @@ async def consume_one(bus: RedisBus):
     raise AssertionError("nothing to consume")
 
 
+@pytest.mark.processes
 async def test_a_tail_and_a_publish_ride_out_a_redis_restart_with_persistence(redis_server):
     redis = redis_server(persistent=True)
     worker = new_bus(redis.url, reconnect_timeout_s=20)
@@ -79,6 +80,7 @@ async def test_a_tail_and_a_publish_ride_out_a_redis_restart_with_persistence(re
     await gateway.close()
 
 
+@pytest.mark.processes
 async def test_a_redis_that_lost_its_data_fails_requests_in_flight_cleanly_and_serves_new_ones(redis_server):
     redis = redis_server(persistent=False)
     worker = new_bus(redis.url, reconnect_timeout_s=20)

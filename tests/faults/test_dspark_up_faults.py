@@ -38,6 +38,8 @@ from tests.conftest import make_tiny_runtime
 from tests.faults.redis_server import RedisServer, free_port, redis_server_binary
 from tests.faults.sse_client import Streamed, stream_completion
 
+pytestmark = pytest.mark.processes  # every test runs against one `dspark up` deployment of processes
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 6, 7, 8] * 3, [1, 2, 3] * 4, list(range(40, 56))]
 MAX_TOKENS = 240

@@ -187,6 +187,7 @@ async def test_a_lease_outlives_its_ttl_while_its_holder_renews_it(redis_limiter
     await (await limiter.acquire("key-a")).release()
 
 
+@pytest.mark.processes
 async def test_the_slot_of_a_gateway_killed_mid_request_frees_itself_after_the_ttl(redis_limiters):
     limiter = redis_limiters(RateLimits(max_concurrent=1))
     holder = (  # another process takes the slot, then dies without releasing it

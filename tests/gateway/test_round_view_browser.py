@@ -38,7 +38,7 @@ from tests.conftest import make_tiny_runtime
 from tests.drafters.test_dspark_serving import make_serving_drafter
 from tests.gateway.conftest import ByteTokenizer
 
-pytestmark = pytest.mark.browser
+pytestmark = [pytest.mark.browser, pytest.mark.processes]  # Chromium and Playwright's driver are processes
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 MODEL = "tiny-random"

@@ -35,6 +35,8 @@ from tests.observability.conftest import CLIENT_TRACE_ID, CLIENT_TRACEPARENT
 from tests.observability.otlp_receiver import OtlpReceiver
 from tests.polling import wait_until
 
+pytestmark = pytest.mark.processes  # gateway, scheduler, drafter and verifier processes
+
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny-random"
 SERVER, CLIENT = 2, 3  # OTLP span kinds

@@ -44,6 +44,7 @@ def _assert_proposals_equal(a: DraftProposal, b: DraftProposal) -> None:
         assert (x is None) == (y is None), name
         if x is not None:
             assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert a.free == b.free
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(0.7, 0.9, 20, seed=-3), SamplingParams(seed=2**62)])
@@ -85,6 +86,18 @@ def test_constructor_proposals_round_trip(p):
     msg = _wire(convert.to_proto(p))
     validate(msg, vocab_size=VOCAB)
     _assert_proposals_equal(convert.draft_proposal_from_proto(msg), p)
+
+
+def test_a_free_proposal_and_a_free_only_request_stay_so_on_the_wire():
+    # a lookup's proposal is free (the draft gate learns from the others); a round the gate
+    # skipped asks for free proposals only
+    p = DraftProposal.point_mass([3, 1, 4])
+    p.free = True
+    assert convert.draft_proposal_from_proto(_wire(convert.to_proto(p))).free
+    assert not convert.draft_proposal_from_proto(_wire(convert.to_proto(DraftProposal.point_mass([3])))).free
+    r = DraftRequest(request_id="a", token_ids=[1, 2, 3], num_prompt_tokens=2, params=SamplingParams(), max_draft_tokens=4,
+                     free_only=True)
+    assert convert.draft_request_from_proto(_wire(convert.to_proto(r))) == r
 
 
 def test_draft_request_round_trips_full_and_as_a_suffix():

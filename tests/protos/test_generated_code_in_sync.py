@@ -22,6 +22,7 @@ def _files(d: Path) -> list[str]:
     return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
+@pytest.mark.processes
 def test_generated_code_is_byte_identical_to_a_fresh_regeneration(tmp_path):
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.sampling import DraftProbs, RejectionBatch, SamplingParams, draw_rejection_randoms
+from dspark.sampling import DraftProbs, RejectionBatch, SamplingParams, draw_rejection_randoms, logits_to_probs
 
 # Every kind of request the sampler must handle, cycled through by the mixed-batch builder.
 MIXED_PARAMS = [
@@ -114,3 +114,25 @@ def mixed_batch():
 @pytest.fixture
 def batch_of():
     return build_batch
+
+
+# The largest fp32 below 1: a uniform that rejects a draft whose p_d exceeds p_t by one rounding step.
+LAST_UNIFORM_BELOW_ONE = float(torch.tensor(1.0).nextafter(torch.tensor(0.0)))
+
+
+def rounding_vocab(at_least: int) -> int:
+    """The smallest n >= at_least whose uniform fp32 target row (softmax of n zeros) sums below 1.
+
+    A drafter whose row is that very row (p_d = p_t, the best drafter there is) is renormalised by
+    the verifier to p_t / sum > p_t: the residual max(0, p_t - p_d) is all zero and
+    u = LAST_UNIFORM_BELOW_ONE rejects its draft. This is the one way an all-zero residual arises
+    (rounding); the fallback that handles it needs such a case to be tested at all.
+    """
+    from dspark.sampling.rejection_sampler import normalised_rows
+
+    for n in range(at_least, at_least + 500):
+        p_t = logits_to_probs(torch.zeros(1, n), temperature=1.0)  # [1, n]
+        p_d = normalised_rows(p_t)
+        if bool((p_d >= p_t).all()) and not LAST_UNIFORM_BELOW_ONE * float(p_d[0, 0]) < float(p_t[0, 0]):
+            return n
+    raise AssertionError(f"no uniform row of {at_least}..{at_least + 499} tokens rounds to a sum below 1")

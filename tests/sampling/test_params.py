@@ -92,3 +92,19 @@ def test_greedy_is_temperature_zero_and_logits_to_probs_refuses_it():
 def test_invalid_sampling_params_raise(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 0.5}, {"temperature": 1.5}, {"temperature": 1.0, "top_k": 3}, {"temperature": 1.0, "top_p": 0.7},
+    {"temperature": 0.7, "top_k": 5, "top_p": 0.8}, {"temperature": 1.3, "top_k": 40, "top_p": 0.95},
+])
+def test_logits_to_probs_agrees_with_the_plain_float64_reference_the_chi_square_tests_use(settings):
+    """tests/distribution_checks.reference_probs is the independent definition the losslessness
+    tests compare sampled output with: same support, same probabilities up to fp32 rounding."""
+    from tests.distribution_checks import reference_probs
+
+    logits = 3.0 * torch.randn(64, 50, generator=torch.Generator().manual_seed(5))  # [64, 50]
+    fast = logits_to_probs(logits, **settings)
+    plain = torch.stack([reference_probs(row, **settings) for row in logits])
+    assert torch.equal(fast > 0, plain > 0)
+    torch.testing.assert_close(fast.double(), plain, rtol=1e-5, atol=1e-7)

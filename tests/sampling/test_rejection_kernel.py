@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dspark.sampling import SamplingParams, rejection_sample
+from dspark.sampling import SamplingParams, logits_to_probs, rejection_sample
 from dspark.sampling.rejection_sampler import prepare_batch, rejection_sample_reference
+from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, rounding_vocab
+
+pytestmark = pytest.mark.processes  # without TRITON_INTERPRET=1 the kernel tests run in a child pytest
 
 _CHILD_FLAG = "DSPARK_REJECTION_KERNEL_TEST_CHILD"
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -141,16 +144,17 @@ def test_ties_across_vocab_tiles_go_to_the_lowest_token_id(batch_of):
 
 @interpreted
 def test_an_all_zero_residual_falls_back_to_the_target_with_the_same_tie_rule(batch_of):
-    # p_d = 1.0005 p_t (within the row-sum tolerance): max(0, p_t - p_d) is all zero, and
-    # u = 0.9999 rejects the draft; the draw must come from p_t. Constant noise: all scores tie.
-    vocab = 40
+    # The drafter's row is the target's own uniform row, which sums below 1 in fp32: renormalised,
+    # p_d >= p_t everywhere, max(0, p_t - p_d) is all zero, and u = 1 - 2^-24 rejects the draft;
+    # the draw must come from p_t. Constant noise: all scores tie. Three vocab tiles of 16.
+    vocab = rounding_vocab(33)
     target = torch.zeros(2, vocab)  # uniform p_t
-    draft = torch.full((1, vocab), 1.0005 / vocab)
+    draft = logits_to_probs(target[:1], temperature=1.0)  # p_d = p_t
     requests = [(SamplingParams(temperature=1.0), [5], target, draft)]
-    tied = batch_of(requests, uniforms=torch.tensor([0.9999]), exp_noise=torch.ones(1, vocab))
+    tied = batch_of(requests, uniforms=torch.tensor([LAST_UNIFORM_BELOW_ONE]), exp_noise=torch.ones(1, vocab))
     assert _assert_backends_agree(tied, block_v=16).output_token_ids.tolist() == [[0, -1]]
     for seed in range(5):
-        _assert_backends_agree(batch_of(requests, uniforms=torch.tensor([0.9999]), seed=seed), block_v=16)
+        _assert_backends_agree(batch_of(requests, uniforms=torch.tensor([LAST_UNIFORM_BELOW_ONE]), seed=seed), block_v=16)
 
 
 @interpreted

@@ -23,6 +23,9 @@ from dspark.sampling import (
     rejection_sample,
 )
 
+from dspark.sampling.rejection_sampler import ROW_SUM_TOL, prepare_batch, rejection_sample_reference
+from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, rounding_vocab
+
 NEG_INF = float("-inf")
 
 
@@ -84,16 +87,18 @@ def test_residual_puts_its_mass_where_the_draft_has_none(batch_of):
 
 
 def test_an_all_zero_residual_falls_back_to_a_draw_from_the_target(batch_of):
-    # p_d = 1.0008 p_t (within the row-sum tolerance): the residual rounds to all zero and
-    # u = 0.9999 rejects the draft. The token then comes from p_t's race, never from p_t = 0.
-    target = _logits([0.5, 0.5, 0.0, 0.0], [0.25] * 4)
-    draft = torch.tensor([[0.5004, 0.5004, 0.0, 0.0]])
+    # The drafter's row is the target's own (uniform over n tokens, fp32 entries summing below 1;
+    # two more tokens have p_t = 0): renormalised, p_d >= p_t everywhere, so the residual is all
+    # zero, and u = 1 - 2^-24 rejects the draft. The token then comes from p_t's race, never from
+    # a token with p_t = 0.
+    n = rounding_vocab(4)
+    target = torch.cat([torch.zeros(2, n), torch.full((2, 2), NEG_INF)], 1)  # [2, n + 2]
+    draft = logits_to_probs(target[:1], temperature=1.0)  # [1, n + 2], p_d = p_t
     for seed in range(20):
-        batch = batch_of([(SAMPLED, [1], target, draft)], uniforms=torch.tensor([0.9999]), seed=seed)
+        batch = batch_of([(SAMPLED, [1], target, draft)], uniforms=torch.tensor([LAST_UNIFORM_BELOW_ONE]), seed=seed)
         result = rejection_sample(batch)
-        p_t = logits_to_probs(target[:1], temperature=1.0)[0]
         assert result.num_accepted.item() == 0
-        assert result.output_token_ids[0, 0].item() == int(torch.argmax(p_t / batch.exp_noise[0]))
+        assert result.output_token_ids[0, 0].item() == int(torch.argmax(draft[0] / batch.exp_noise[0]))
 
 
 @pytest.mark.parametrize("filter_kwargs", [{"top_p": 0.7}, {"top_k": 2}])
@@ -167,6 +172,63 @@ def test_sparse_rows_give_the_same_result_as_the_same_distribution_dense(mixed_b
     a, b = rejection_sample(sparse), rejection_sample(as_dense)
     assert torch.equal(a.output_token_ids, b.output_token_ids)
     assert torch.equal(a.num_accepted, b.num_accepted)
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft rows: renormalised before use, refused beyond the tolerance
+# ---------------------------------------------------------------------------------------------
+
+
+def _boundary_case(batch_of, scale: float, *, sparse: bool) -> RejectionBatch:
+    """p_t = (.2, .3, .5), the drafter's row (.5, .25, .25) times `scale`, draft 0 and u just
+    below p_t(0) / p_d(0) = 0.4: accepted against the normalised row, rejected against .5 * scale
+    for any scale > 1 + 3e-6."""
+    row = torch.tensor([[0.5, 0.25, 0.25]]) * scale
+    batch = batch_of([(SAMPLED, [0], _logits([0.2, 0.3, 0.5], [0.2, 0.3, 0.5]), row)],
+                     uniforms=torch.tensor([0.4 - 1e-6]), seed=3)
+    if sparse:
+        batch = replace(batch, draft_probs=DraftProbs(sparse_ids=torch.tensor([[0, 1, 2, -1]]),
+                                                      sparse_probs=torch.cat([row, torch.zeros(1, 1)], 1)))
+    return batch
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_a_row_off_by_rounding_is_verified_as_the_distribution_it_normalises_to(batch_of, sparse):
+    """Drafters draw x ~ row / sum(row): a row whose sum is off by rounding (within ROW_SUM_TOL)
+    must be verified as that normalised distribution, not taken at face value."""
+    scale = 1 + 0.5 * ROW_SUM_TOL
+    off, exact = _boundary_case(batch_of, scale, sparse=sparse), _boundary_case(batch_of, 1.0, sparse=sparse)
+    got, want = rejection_sample(off), rejection_sample(exact)
+    assert want.num_accepted.tolist() == [1]
+    assert torch.equal(got.output_token_ids, want.output_token_ids) and torch.equal(got.num_accepted, want.num_accepted)
+    # the control: the same row taken at face value rejects the draft (so the case has the power)
+    prep = prepare_batch(off)
+    unnormalised = replace(prep, draft_probs=torch.tensor([[0.5, 0.25, 0.25]]) * scale)
+    assert rejection_sample_reference(unnormalised).num_accepted.tolist() == [0]
+
+
+def test_rows_off_by_more_than_the_tolerance_are_refused(batch_of):
+    for scale in (1 + 2 * ROW_SUM_TOL, 1 - 2 * ROW_SUM_TOL):
+        with pytest.raises(ValueError, match=f"must sum to 1 \\(tol {ROW_SUM_TOL}\\)"):
+            rejection_sample(_boundary_case(batch_of, scale, sparse=False))
+
+
+@pytest.mark.parametrize("vocab", [49_152, 151_936], ids=["smollm2-vocab", "qwen-vocab"])
+def test_fp32_softmax_rows_of_a_large_vocabulary_are_within_the_tolerance(vocab):
+    """The tolerance is not tighter than real rows: dense softmax rows and top-p truncations of a
+    real vocabulary's size, at several temperatures, pass the check (their sums are off by up to
+    ~2e-5: the softmax normaliser's rounding)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (4.0 * torch.randn(8, vocab, generator=g)).to(torch.bfloat16)  # [8, vocab] as a model emits them
+    for params in (SamplingParams(temperature=0.3), SamplingParams(temperature=1.7), SamplingParams(temperature=1.0, top_p=0.9)):
+        rows = logits_to_probs(logits, temperature=params.temperature, top_p=params.top_p)  # [8, vocab]
+        draft = torch.multinomial(rows, 1, generator=g).squeeze(1)  # [8]
+        lens = torch.ones(8, dtype=torch.int64)
+        uniforms, exp_noise = draw_rejection_randoms(lens, vocab, [g] * 8)
+        batch = RejectionBatch(draft_token_ids=draft, num_draft_tokens=lens, target_logits=logits.repeat_interleave(2, 0),
+                               draft_probs=DraftProbs(dense=rows), params=[params] * 8, uniforms=uniforms, exp_noise=exp_noise)
+        prep = prepare_batch(batch)  # raises beyond the tolerance
+        assert (prep.draft_probs.sum(-1) - 1).abs().max() < 1e-6  # and the rows are renormalised
 
 
 def test_result_layout_is_accepted_drafts_then_one_token_then_padding(mixed_batch):
@@ -381,7 +443,11 @@ def _small_batch(batch_of) -> RejectionBatch:
 
 
 def test_the_small_valid_batch_is_accepted(batch_of):
-    rejection_sample(_small_batch(batch_of))
+    """The batch every malformed case below breaks in one way is itself valid."""
+    result = rejection_sample(_small_batch(batch_of))
+    n_acc = int(result.num_accepted[0])
+    assert result.output_token_ids.shape == (1, 3) and 0 <= n_acc <= 2
+    assert result.output_token_ids[0, :n_acc].tolist() == [1, 2][:n_acc] and 0 <= result.output_token_ids[0, n_acc] < 3
 
 
 def _dense(*rows: list[float]) -> DraftProbs:

@@ -85,6 +85,7 @@ def test_greedy_output_is_plain_decoding_while_the_gate_switches(tiny_runtime_fa
     spec = engine.generate([GenerationRequest(f"s{i}", p, 24, greedy) for i, p in enumerate(prompts)])
     assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
     assert engine.counters.rounds_without_drafting > 0 and sum(s.draft_tokens for s in spec) > 0
+    assert sum(s.accepted_tokens for s in spec) > 0  # the probes' drafts were verified, some accepted
 
 
 def test_sampled_output_keeps_the_target_distribution_while_the_gate_switches(tiny_runtime_factory):

@@ -53,6 +53,15 @@ def test_a_bad_configuration_is_an_error_message_not_a_traceback(monkeypatch, ca
     assert "verifier.port must be an integer" in capsys.readouterr().err
 
 
+def test_the_verifier_refuses_the_triton_sampler_on_a_cpu_runtime_before_loading_the_model(monkeypatch, capsys, tmp_path):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    missing = tmp_path / "no-model-here"  # never read: the refusal comes first
+    assert main(["verifier", "--sampler-backend", "triton", "--model", str(missing), "--sps-max-batch", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "error: sampler_backend 'triton' runs the fused kernel on CUDA tensors" in err and "use 'auto' or 'torch'" in err
+    assert str(missing) not in err
+
+
 def test_up_starts_the_gateway_over_the_bus_only_when_a_redis_url_is_configured(tmp_path):
     from services.cli import _gateway_command
 
@@ -79,7 +88,7 @@ def test_the_build_functions_load_a_model_by_path_and_the_verifier_profiles_sps(
     remote = RemoteVerifier(serve.verifier(verifier, model=config.model.name))
     assert remote.sps_profile == verifier.sps_profile and remote.model == str(tiny_model_dir)
     drafter, vocab, hidden = build_drafter(config)
-    assert drafter.name == "ngram" and (vocab, hidden) == (256, 64)
+    assert drafter.spec.name == "ngram" and (vocab, hidden) == (256, 64)
 
 
 def _free_ports(n: int) -> list[int]:
@@ -93,6 +102,7 @@ def _free_ports(n: int) -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_up_starts_the_services_serves_plain_greedy_tokens_and_stops_them_on_ctrl_c(tiny_model_dir, tiny_runtime):
     from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
     from dspark.sampling.params import SamplingParams

@@ -56,7 +56,7 @@ def test_calls_with_the_token_are_served(guarded):
 def test_the_remote_clients_send_the_token_and_fail_clearly_without_it(guarded):
     verifier_address, drafter_address, _ = guarded
     assert RemoteVerifier(verifier_address, auth_token=TOKEN).vocab_size == 256
-    assert RemoteDrafter(drafter_address, auth_token=TOKEN).name == "ngram"
+    assert RemoteDrafter(drafter_address, auth_token=TOKEN).spec.name == "ngram"
     with pytest.raises(ServiceError, match="UNAUTHENTICATED.*requires the internal token"):
         RemoteVerifier(verifier_address, connect_timeout_s=5)
 

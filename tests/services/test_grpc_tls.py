@@ -197,7 +197,7 @@ def test_the_remote_clients_and_the_scheduler_engine_speak_tls_from_the_configur
                                      "DSPARK_SCHEDULER_POLICY": "", "DSPARK_RPC_CONNECT_TIMEOUT_S": "20"})
     tls = load_tls(config.rpc)
     assert RemoteVerifier(verifier_address, auth_token=TOKEN, tls=tls).vocab_size == 256
-    assert RemoteDrafter(drafter_address, auth_token=TOKEN, tls=tls).name == "ngram"
+    assert RemoteDrafter(drafter_address, auth_token=TOKEN, tls=tls).spec.name == "ngram"
     engine = build_remote_speculative_engine(config)  # what `dspark scheduler` dials with
     assert engine.verifier.vocab_size == engine.drafter.vocab_size == 256
     wait_until_serving(scheduler_address, SCHEDULER_SERVICE, timeout=CALL_TIMEOUT_S, tls=tls)  # what `dspark up` waits with
@@ -258,6 +258,7 @@ def test_a_service_with_a_missing_tls_file_exits_with_the_message_before_loading
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_up_with_the_tls_files_runs_every_call_over_mutual_tls(tiny_model_dir, pki):
     from tests.services.test_cli import ROOT, _free_ports
 

@@ -145,6 +145,7 @@ def _run(args: list[str], tls_env: dict[str, str], *, code: str | None = None) -
     return subprocess.run(command, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.processes
 def test_the_process_exits_0_or_1_with_one_line_and_no_grpc_log_lines(pki, tls_server):
     target = f"127.0.0.1:{tls_server.port}"
     served = _run(["healthcheck", "--target", target], pki.rpc_env())
@@ -155,6 +156,7 @@ def test_the_process_exits_0_or_1_with_one_line_and_no_grpc_log_lines(pki, tls_s
     assert _one_line(refused.stderr).startswith(f"{target}: TLS handshake refused")
 
 
+@pytest.mark.processes
 def test_the_process_imports_no_torch(pki, tls_server):
     code = ("import sys\nfrom dspark.cli import main\nstatus = main(sys.argv[1:])\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'transformers')))\nsys.exit(status)")

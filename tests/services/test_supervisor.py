@@ -34,6 +34,7 @@ def supervisor():
             process.wait()
 
 
+@pytest.mark.processes
 def test_a_killed_child_is_started_again_with_its_command_and_reported(supervisor):
     first = supervisor.start("verifier", RUNS)
     supervisor.start("drafter", RUNS)
@@ -47,6 +48,7 @@ def test_a_killed_child_is_started_again_with_its_command_and_reported(superviso
     assert drafter.restarts == 0  # the others are left alone
 
 
+@pytest.mark.processes
 def test_the_backoff_doubles_up_to_its_maximum_for_a_child_that_keeps_exiting(supervisor):
     supervisor.start("scheduler", EXITS_AT_ONCE)
     (child,) = supervisor.children
@@ -61,6 +63,7 @@ def test_the_backoff_doubles_up_to_its_maximum_for_a_child_that_keeps_exiting(su
     assert [status for _, status in supervisor.reports] == [3, 3, 3]
 
 
+@pytest.mark.processes
 def test_a_child_that_ran_long_enough_starts_over_at_the_initial_backoff():
     policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=10.0, reset_after_s=0.3)
     sup = Supervisor(lambda cmd: subprocess.Popen(cmd), policy=policy)

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.drafters import make_drafter
+from dspark.drafters import family, make_drafter
 from dspark.drafters.dflash import DFlashConfig, DFlashDrafter
-from dspark.drafters.dspark import SharedWeights
 from dspark.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import build_batch
-from dspark.training.trainer import ALGORITHMS, TrainConfig, read_metrics, train
+from dspark.training.trainer import TrainConfig, read_metrics, train
 from tests.conftest import build_transformer, make_tiny_runtime, random_hf_state_dict
 from tests.training.test_target_cache import CAPTURE, make_tiny_cache
 
@@ -80,7 +80,7 @@ def test_the_dflash_loss_is_cross_entropy_weighted_by_exp_of_minus_k_minus_1_ove
     torch.manual_seed(0)
     model = DFlashDrafter(DFlashConfig.tiny(num_layers=1, target_layer_ids=CAPTURE), shared=SharedWeights.from_target(target))
     batch = a_batch(cache)
-    result = ALGORITHMS["dflash"].loss(model, batch)
+    result = family("dflash").objective.loss(model, batch)
     with torch.no_grad():
         logits = model(batch.blocks).double()  # [rows, nb, γ, V]
     num = den = 0.0
@@ -100,7 +100,7 @@ def test_the_eagle3_loss_sums_the_steps_soft_cross_entropy_against_p_t_weighted_
     torch.manual_seed(0)
     model = Eagle3Drafter(Eagle3Config.tiny(target_layer_ids=CAPTURE), shared=SharedWeights.from_target(target))
     batch = a_batch(cache)
-    result = ALGORITHMS["eagle3"].loss(model, batch)
+    result = family("eagle3").objective.loss(model, batch)
     with torch.no_grad():
         out = model(batch.blocks, context_token_ids=batch.context_token_ids, target_tokens=batch.target_tokens)
     log_p_d, p_t = torch.log_softmax(out.logits.double(), -1), target_probs(batch, target)
@@ -117,7 +117,7 @@ def test_the_logged_acceptance_is_one_minus_the_total_variation_distance(cache, 
     torch.manual_seed(0)
     model = DFlashDrafter(DFlashConfig.tiny(num_layers=1, target_layer_ids=CAPTURE), shared=SharedWeights.from_target(target))
     batch = a_batch(cache)
-    metrics = ALGORITHMS["dflash"].loss(model, batch).metrics
+    metrics = family("dflash").objective.loss(model, batch).metrics
     with torch.no_grad():
         p_d, p_t = torch.softmax(model(batch.blocks).double(), -1), target_probs(batch, target)
     keep = batch.blocks.block_valid.unsqueeze(-1) & batch.label_mask  # [rows, nb, γ]
@@ -162,7 +162,7 @@ def test_the_final_checkpoint_is_what_make_drafter_serves(cache, target, tmp_pat
     assert config["algo"] == algo and tuple(config["target_layer_ids"]) == cache.capture_layers
     runtime = make_tiny_runtime(capture_layers=CAPTURE, compute_dtype=torch.float32)  # the cache's target (seed 0)
     drafter = make_drafter(algo, runtime=runtime, path=result.final_dir)
-    assert type(drafter).__name__ == cls and drafter.block_size == 4
+    assert type(drafter).__name__ == cls and drafter.spec.block_size == 4
 
 
 def test_eagle3_is_a_one_layer_drafter():

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.drafters.dspark import SharedWeights, load_checkpoint
+from dspark.drafters.dspark import load_checkpoint
+from dspark.drafters.shared import SharedWeights
 from dspark.training.draft_vocab import coverage, frequent_tokens
 from dspark.training.losses import dspark_loss, greedy_acceptance
 from dspark.training.trainer import read_metrics

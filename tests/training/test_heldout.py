@@ -13,18 +13,19 @@ import json
 import pytest
 import torch
 
-from dspark.drafters.dspark import SharedWeights
+from dspark.drafters.registry import family
+from dspark.drafters.shared import SharedWeights
 from dspark.training.anchors import sample_batch
 from dspark.training.heldout import EVAL_EPOCH, evaluate_heldout
 from dspark.training.losses import target_probs_from_hidden
-from dspark.training.trainer import ALGORITHMS, read_metrics
+from dspark.training.trainer import read_metrics
 from tests.training.test_trainer import cache, run, target, tiny_config  # noqa: F401  (fixtures)
 
 
 def build(algo_name: str, cache, target, **kw):  # noqa: F811
     config = tiny_config(algo=algo_name, **kw)
     torch.manual_seed(0)
-    algo = ALGORITHMS[algo_name]
+    algo = family(algo_name).objective
     return algo, algo.build(config=config, target_config=target.config, cache=cache, shared=SharedWeights.from_target(target))
 
 

@@ -162,8 +162,8 @@ def test_a_few_adamw_steps_on_a_fixed_tiny_batch_lower_the_loss(tiny_runtime_fac
         BlockBatch,
         DSparkConfig,
         DSparkDrafter,
-        SharedWeights,
     )
+    from dspark.drafters.shared import SharedWeights
 
     cfg = DSparkConfig.tiny(head_type=head_type)
     runtime = tiny_runtime_factory(compute_dtype=torch.float32, capture_layers=cfg.target_layer_ids)

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.drafters.dspark import SharedWeights, load_checkpoint
+from dspark.drafters.dspark import load_checkpoint
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import (
     block_labels,

@@ -2,11 +2,11 @@
 
     config.py      DFlashConfig (flat, frozen, JSON with "algo": "dflash", `from_target`, `tiny`)
     model.py       DFlashDrafter: [x_0, mask × γ] -> γ independent distributions, no heads
-    sampling.py    draw_tokens / to_proposal: per-position sampling with the exact rows (shared with EAGLE-3)
     checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON), the baselines' checkpoint I/O
     serving.py     DFlashServingDrafter: the engine's Drafter (context K/V cache per request)
+    objective.py   DFlashObjective: `dspark train --algo dflash` (cross-entropy with position weights)
+    family.py      its entry in the drafter registry (dspark/drafters/registry.py)
 
-Training: `dspark train --algo dflash` (cross-entropy with position weights, dspark/training/trainer.py).
 Tests: python -m pytest tests/drafters/test_dflash*.py -q
 """
 

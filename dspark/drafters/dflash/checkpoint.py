@@ -16,7 +16,7 @@ import torch
 from dspark.drafters.checkpoint_io import load_weights, read_config_json, save_weights
 from dspark.drafters.dflash.config import DFlashConfig
 from dspark.drafters.dflash.model import DFlashDrafter
-from dspark.drafters.dspark.model import SharedWeights
+from dspark.drafters.shared import SharedWeights
 
 FORMAT = "dflash-drafter/1"
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from dspark.drafters.dflash.config import DFlashConfig
-from dspark.drafters.dspark.model import BlockBatch, ParallelBackbone, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch, ParallelBackbone
+from dspark.drafters.shared import SharedWeights
 
 
 class DFlashDrafter(ParallelBackbone):

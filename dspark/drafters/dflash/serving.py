@@ -15,20 +15,15 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import DrafterSpec, DraftProposal, DraftRequest
 from dspark.drafters.dflash.checkpoint import load_checkpoint
 from dspark.drafters.dflash.model import DFlashDrafter
-from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
-from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.dspark.serving import DSparkServingDrafter
+from dspark.drafters.shared import SharedWeights, draw_tokens, is_truncated, to_proposal
 from dspark.model.transformer import Transformer
 
 
 class DFlashServingDrafter(DSparkServingDrafter):
-    name = "dflash"
-    needs_hidden_states = True
-    provides_confidences = False
-
     def __init__(
         self,
         model: DFlashDrafter,
@@ -38,6 +33,11 @@ class DFlashServingDrafter(DSparkServingDrafter):
         logits_fn=None,  # hidden [n, d] -> U [n, V]: the target's packed LM head; None = the model's own matmul
     ):
         super().__init__(model, temperatures=None, top_k=top_k, top_p=top_p, logits_fn=logits_fn)
+
+    @property
+    def spec(self) -> DrafterSpec:
+        c = self.model.config
+        return DrafterSpec(name="dflash", needs_hidden_states=True, capture_layers=c.target_layer_ids, block_size=c.block_size)
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DFlashServingDrafter:

@@ -4,8 +4,11 @@
     model.py       DSparkDrafter, BlockBatch / DraftBlock, the leakage-rule attention mask
     heads.py       MarkovHead, RNNHead, ConfidenceHead, sample_sequential (exact draft rows)
     checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON, never pickle)
+    serving.py     DSparkServingDrafter: the engine's Drafter (context K/V cache per request)
+    objective.py   DSparkObjective: `dspark train --algo dspark` (the losses of dspark.training.losses)
+    family.py      its entry in the drafter registry (dspark/drafters/registry.py)
 
-Training losses live in dspark.training.losses, STS calibration in dspark.calibration.sts.
+STS calibration lives in dspark.calibration.sts.
 Tests: python -m pytest tests/drafters/test_dspark_model.py -q
 """
 
@@ -28,13 +31,12 @@ from dspark.drafters.dspark.model import (
     BlockBatch,
     DraftBlock,
     DSparkDrafter,
-    SharedWeights,
     TeacherForcedOutput,
     block_attention_mask,
 )
 
 __all__ = [
     "BlockBatch", "ConfidenceHead", "DSparkConfig", "DSparkDrafter", "DraftBlock", "DraftSample",
-    "DrafterCheckpoint", "MarkovHead", "RNNHead", "SharedWeights", "TeacherForcedOutput",
+    "DrafterCheckpoint", "MarkovHead", "RNNHead", "TeacherForcedOutput",
     "block_attention_mask", "load_checkpoint", "sample_sequential", "save_checkpoint",
 ]

@@ -27,7 +27,8 @@ import torch
 
 from dspark.drafters.checkpoint_io import STORAGE_DTYPES, load_weights, read_config_json, save_weights
 from dspark.drafters.dspark.config import DSparkConfig
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
+from dspark.drafters.shared import SharedWeights
 
 STS_FILE = "sts.json"
 FORMAT = "dspark-drafter/1"

@@ -16,7 +16,7 @@ One block (docs/method.md §2, §3), anchor x_0 at absolute position t, γ = blo
     anchor enters as a token embedding, its own hidden state does not exist at serving time);
   * output: final-normed h_1..h_γ and U_k = LMHead(h_k), so block position k (input x_0 or a
     mask) predicts the token at t + k.
-The embedding and LM head are the target's own tensors, referenced (`SharedWeights`), frozen:
+The embedding and LM head are the target's own tensors, referenced (`SharedWeights`, drafters/shared.py), frozen:
 they are neither parameters of the drafter nor in its state_dict / checkpoint.
 
 Layout: padded 2-D, one row per sequence, several blocks per row (training: many anchors of
@@ -41,20 +41,8 @@ from dspark.drafters.dspark.heads import (
     sample_sequential,
     teacher_forced_logits,
 )
-from dspark.model.transformer import Transformer, apply_rope, rms_norm, rope_inv_freq
-
-
-@dataclass(frozen=True)
-class SharedWeights:
-    """The target's token embedding and LM head, referenced (same storage), never trained."""
-
-    embed: torch.Tensor  # [vocab, hidden] fp32
-    lm_head: torch.Tensor  # [vocab, hidden] fp32 (the same tensor as `embed` when tied)
-
-    @classmethod
-    def from_target(cls, target: Transformer) -> SharedWeights:
-        # .detach() shares storage and cuts autograd: no gradient can reach the target's tensors
-        return cls(embed=target.embed.weight.detach(), lm_head=target.lm_head_weight.detach())
+from dspark.drafters.shared import SharedWeights, checked_shared
+from dspark.model.transformer import apply_rope, rms_norm, rope_inv_freq
 
 
 # ---- the block layout ---------------------------------------------------------------------------
@@ -279,12 +267,7 @@ class ParallelBackbone(nn.Module):
     def attach_shared(self, shared: SharedWeights) -> None:
         """Point the drafter at the target's embedding / LM head (a plain attribute: not a
         parameter, not a buffer, not in state_dict). Call again after moving the target."""
-        expected = (self.config.vocab_size, self.config.hidden_size)
-        for name in ("embed", "lm_head"):
-            got = tuple(getattr(shared, name).shape)
-            if got != expected:
-                raise ValueError(f"shared {name} has shape {got}, the drafter config expects [vocab, hidden] = {list(expected)}")
-        self.shared = shared
+        self.shared = checked_shared(shared, self.config)
 
     # ---- backbone --------------------------------------------------------------------------
 
@@ -492,6 +475,6 @@ def check_draft_vocabulary(draft_to_target: torch.Tensor, *, vocab_size: int, si
 
 
 __all__ = [
-    "BlockBatch", "DSparkDrafter", "check_draft_vocabulary", "DraftBlock", "DraftLayer", "ParallelBackbone", "SharedWeights", "TeacherForcedOutput",
+    "BlockBatch", "DSparkDrafter", "check_draft_vocabulary", "DraftBlock", "DraftLayer", "ParallelBackbone", "TeacherForcedOutput",
     "block_attention_mask", "block_positions",
 ]

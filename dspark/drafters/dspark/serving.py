@@ -21,18 +21,15 @@ import torch
 
 from dspark.calibration.sts import apply_temperatures
 from dspark.drafters import serving_gemms
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 from dspark.drafters.dspark.checkpoint import load_checkpoint
 from dspark.drafters.dspark.heads import sample_sequential
-from dspark.drafters.dspark.model import DSparkDrafter, SharedWeights
+from dspark.drafters.dspark.model import DSparkDrafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.transformer import Transformer
 
 
-class DSparkServingDrafter:
-    name = "dspark"
-    needs_hidden_states = True  # the engine captures target layer outputs and calls observe()
-    provides_confidences = True  # STS-calibrated c_k with every proposal (the prefix scheduler's input)
-
+class DSparkServingDrafter(Drafter):
     def __init__(
         self,
         model: DSparkDrafter,
@@ -54,11 +51,17 @@ class DSparkServingDrafter:
         self.temperatures = temperatures
         self.greedy_temperatures = greedy_temperatures if greedy_temperatures is not None else temperatures
         self.top_k, self.top_p = top_k, top_p
-        self.block_size = model.config.block_size
-        self.capture_layers = tuple(model.config.target_layer_ids)
         # request -> per draft layer (keys, values) [capacity, kv_heads, head_dim] of its verified positions
         self._kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lengths: dict[str, int] = {}
+
+    @property
+    def spec(self) -> DrafterSpec:
+        c = self.model.config
+        # the engine captures the target layers the backbone was trained on and calls observe();
+        # STS-calibrated c_k come with every proposal (the prefix scheduler's input)
+        return DrafterSpec(name="dspark", needs_hidden_states=True, capture_layers=c.target_layer_ids,
+                           provides_confidences=True, block_size=c.block_size, draft_vocab_size=c.draft_vocab_size)
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DSparkServingDrafter:

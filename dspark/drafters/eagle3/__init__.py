@@ -6,9 +6,11 @@
     checkpoint.py  save_checkpoint / load_checkpoint (safetensors + JSON)
     serving.py     Eagle3ServingDrafter: the engine's Drafter (fused features + a small KV cache per
                    request, γ sequential steps per round)
+    objective.py   Eagle3Objective: `dspark train --algo eagle3` (TTT over γ steps, soft cross-entropy
+                   against p_t with step weights 0.8^(j-1))
+    family.py      its entry in the drafter registry (dspark/drafters/registry.py)
 
-Training: `dspark train --algo eagle3` (TTT over γ steps, soft cross-entropy against p_t with
-step weights 0.8^(j-1); dspark/training/trainer.py). Tests: python -m pytest tests/drafters/test_eagle3*.py -q
+Tests: python -m pytest tests/drafters/test_eagle3*.py -q
 """
 
 from __future__ import annotations

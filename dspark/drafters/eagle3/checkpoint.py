@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from dspark.drafters.checkpoint_io import load_weights, read_config_json, save_weights
-from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights
 
 FORMAT = "eagle3-drafter/1"
 

@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.drafters.dspark.model import BlockBatch, SharedWeights
+from dspark.drafters.dspark.model import BlockBatch
 from dspark.drafters.eagle3.config import Eagle3Config
+from dspark.drafters.shared import SharedWeights, checked_shared
 from dspark.model.transformer import apply_rope, rms_norm, rope_inv_freq
 
 KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [rows, n, kv_heads, head_dim] (keys after RoPE)
@@ -113,12 +114,7 @@ class Eagle3Drafter(nn.Module):
 
     def attach_shared(self, shared: SharedWeights) -> None:
         """Point the drafter at the target's embedding / LM head (not parameters, not saved)."""
-        expected = (self.config.vocab_size, self.config.hidden_size)
-        for name in ("embed", "lm_head"):
-            got = tuple(getattr(shared, name).shape)
-            if got != expected:
-                raise ValueError(f"shared {name} has shape {got}, the drafter config expects [vocab, hidden] = {list(expected)}")
-        self.shared = shared
+        self.shared = checked_shared(shared, self.config)
 
     # ---- pieces ----------------------------------------------------------------------------
 

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.base import DraftProposal, DraftRequest
+from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 from dspark.drafters import serving_gemms
-from dspark.drafters.dflash.sampling import draw_tokens, is_truncated, to_proposal
-from dspark.drafters.dspark.model import SharedWeights
 from dspark.drafters.eagle3.checkpoint import load_checkpoint
 from dspark.drafters.eagle3.model import Eagle3Drafter
+from dspark.drafters.shared import SharedWeights, draw_tokens, is_truncated, to_proposal
 from dspark.model.transformer import Transformer
 
 
@@ -40,11 +39,7 @@ def _grown(buf: torch.Tensor | None, used: int, need: int, row_shape: tuple[int,
     return new
 
 
-class Eagle3ServingDrafter:
-    name = "eagle3"
-    needs_hidden_states = True  # the engine captures target layer outputs and calls observe()
-    provides_confidences = False
-
+class Eagle3ServingDrafter(Drafter):
     def __init__(
         self,
         model: Eagle3Drafter,
@@ -56,12 +51,15 @@ class Eagle3ServingDrafter:
         self.model = serving_gemms.prepare_for_serving(model.eval())  # its GEMMs prepacked in place
         self.logits_fn = logits_fn
         self.top_k, self.top_p = top_k, top_p
-        self.block_size = model.config.block_size
-        self.capture_layers = tuple(model.config.target_layer_ids)
         self._features: dict[str, torch.Tensor] = {}  # request -> [capacity, hidden] g_0..g_{n-1}
         self._num_features: dict[str, int] = {}
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # request -> [capacity, kvh, head_dim] x 2
         self._num_entries: dict[str, int] = {}
+
+    @property
+    def spec(self) -> DrafterSpec:
+        c = self.model.config
+        return DrafterSpec(name="eagle3", needs_hidden_states=True, capture_layers=c.target_layer_ids, block_size=c.block_size)
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> Eagle3ServingDrafter:

@@ -70,13 +70,15 @@ class DenseRows(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftProposal(_message.Message):
-    __slots__ = ("token_ids", "sparse", "dense", "confidences")
+    __slots__ = ("token_ids", "sparse", "dense", "confidences", "free")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sparse: SparseRows
     dense: DenseRows
     confidences: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseRows, _Mapping]] = ..., dense: _Optional[_Union[DenseRows, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
+    free: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseRows, _Mapping]] = ..., dense: _Optional[_Union[DenseRows, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., free: _Optional[bool] = ...) -> None: ...

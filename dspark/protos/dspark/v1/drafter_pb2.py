@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.protos.dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"f\n\x11\x44rafterAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\x14\n\x12\x44rafterAddResponse\"J\n\x0fRequestFeatures\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\"E\n\x15\x41ppendFeaturesRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.dspark.v1.RequestFeatures\"\x18\n\x16\x41ppendFeaturesResponse\"+\n\x14\x44rafterRemoveRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\x15\x44rafterRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x05\"\xab\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\x12\x14\n\x0ctoken_offset\x18\x06 \x01(\x05\"P\n\x11\x44raftRoundRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x08requests\x18\x02 \x03(\x0b\x32\x17.dspark.v1.DraftRequest\"^\n\nDraftBlock\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x08proposal\x18\x03 \x01(\x0b\x32\x18.dspark.v1.DraftProposal\"\x17\n\x15GetDrafterInfoRequest\"\x97\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x13needs_hidden_states\x18\x02 \x01(\x08\x12\x16\n\x0e\x63\x61pture_layers\x18\x03 \x03(\x05\x12\x1c\n\x14provides_confidences\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x32\x84\x03\n\x07\x44rafter\x12I\n\nAddRequest\x12\x1c.dspark.v1.DrafterAddRequest\x1a\x1d.dspark.v1.DrafterAddResponse\x12U\n\x0e\x41ppendFeatures\x12 .dspark.v1.AppendFeaturesRequest\x1a!.dspark.v1.AppendFeaturesResponse\x12R\n\rRemoveRequest\x12\x1f.dspark.v1.DrafterRemoveRequest\x1a .dspark.v1.DrafterRemoveResponse\x12>\n\x05\x44raft\x12\x1c.dspark.v1.DraftRoundRequest\x1a\x15.dspark.v1.DraftBlock0\x01\x12\x43\n\x07GetInfo\x12 .dspark.v1.GetDrafterInfoRequest\x1a\x16.dspark.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64spark/v1/drafter.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"f\n\x11\x44rafterAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\x14\n\x12\x44rafterAddResponse\"J\n\x0fRequestFeatures\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08\x66\x65\x61tures\x18\x02 \x01(\x0b\x32\x11.dspark.v1.Tensor\"E\n\x15\x41ppendFeaturesRequest\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.dspark.v1.RequestFeatures\"\x18\n\x16\x41ppendFeaturesResponse\"+\n\x14\x44rafterRemoveRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\x15\x44rafterRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x05\"\xbe\x01\n\x0c\x44raftRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x18\n\x10max_draft_tokens\x18\x05 \x01(\x05\x12\x14\n\x0ctoken_offset\x18\x06 \x01(\x05\x12\x11\n\tfree_only\x18\x07 \x01(\x08\"P\n\x11\x44raftRoundRequest\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12)\n\x08requests\x18\x02 \x03(\x0b\x32\x17.dspark.v1.DraftRequest\"^\n\nDraftBlock\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12*\n\x08proposal\x18\x03 \x01(\x0b\x32\x18.dspark.v1.DraftProposal\"\x17\n\x15GetDrafterInfoRequest\"\xaf\x01\n\x0b\x44rafterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1b\n\x13needs_hidden_states\x18\x02 \x01(\x08\x12\x16\n\x0e\x63\x61pture_layers\x18\x03 \x03(\x05\x12\x1c\n\x14provides_confidences\x18\x04 \x01(\x08\x12\x12\n\nvocab_size\x18\x05 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x06 \x01(\x05\x12\x16\n\x0e\x66ree_proposals\x18\x07 \x01(\x08\x32\x84\x03\n\x07\x44rafter\x12I\n\nAddRequest\x12\x1c.dspark.v1.DrafterAddRequest\x1a\x1d.dspark.v1.DrafterAddResponse\x12U\n\x0e\x41ppendFeatures\x12 .dspark.v1.AppendFeaturesRequest\x1a!.dspark.v1.AppendFeaturesResponse\x12R\n\rRemoveRequest\x12\x1f.dspark.v1.DrafterRemoveRequest\x1a .dspark.v1.DrafterRemoveResponse\x12>\n\x05\x44raft\x12\x1c.dspark.v1.DraftRoundRequest\x1a\x15.dspark.v1.DraftBlock0\x01\x12\x43\n\x07GetInfo\x12 .dspark.v1.GetDrafterInfoRequest\x1a\x16.dspark.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,15 +47,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTERREMOVERESPONSE']._serialized_start=406
   _globals['_DRAFTERREMOVERESPONSE']._serialized_end=450
   _globals['_DRAFTREQUEST']._serialized_start=453
-  _globals['_DRAFTREQUEST']._serialized_end=624
-  _globals['_DRAFTROUNDREQUEST']._serialized_start=626
-  _globals['_DRAFTROUNDREQUEST']._serialized_end=706
-  _globals['_DRAFTBLOCK']._serialized_start=708
-  _globals['_DRAFTBLOCK']._serialized_end=802
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=804
-  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=827
-  _globals['_DRAFTERINFO']._serialized_start=830
-  _globals['_DRAFTERINFO']._serialized_end=981
-  _globals['_DRAFTER']._serialized_start=984
-  _globals['_DRAFTER']._serialized_end=1372
+  _globals['_DRAFTREQUEST']._serialized_end=643
+  _globals['_DRAFTROUNDREQUEST']._serialized_start=645
+  _globals['_DRAFTROUNDREQUEST']._serialized_end=725
+  _globals['_DRAFTBLOCK']._serialized_start=727
+  _globals['_DRAFTBLOCK']._serialized_end=821
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_start=823
+  _globals['_GETDRAFTERINFOREQUEST']._serialized_end=846
+  _globals['_DRAFTERINFO']._serialized_start=849
+  _globals['_DRAFTERINFO']._serialized_end=1024
+  _globals['_DRAFTER']._serialized_start=1027
+  _globals['_DRAFTER']._serialized_end=1415
 # @@protoc_insertion_point(module_scope)

@@ -52,20 +52,22 @@ class DrafterRemoveResponse(_message.Message):
     def __init__(self, num_removed: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "max_draft_tokens", "token_offset")
+    __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "params", "max_draft_tokens", "token_offset", "free_only")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    FREE_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_prompt_tokens: int
     params: _common_pb2.SamplingParams
     max_draft_tokens: int
     token_offset: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ..., token_offset: _Optional[int] = ...) -> None: ...
+    free_only: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_prompt_tokens: _Optional[int] = ..., params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_draft_tokens: _Optional[int] = ..., token_offset: _Optional[int] = ..., free_only: _Optional[bool] = ...) -> None: ...
 
 class DraftRoundRequest(_message.Message):
     __slots__ = ("round_id", "requests")
@@ -90,17 +92,19 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "needs_hidden_states", "capture_layers", "provides_confidences", "vocab_size", "hidden_size")
+    __slots__ = ("name", "needs_hidden_states", "capture_layers", "provides_confidences", "vocab_size", "hidden_size", "free_proposals")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NEEDS_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROVIDES_CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FREE_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     name: str
     needs_hidden_states: bool
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
     provides_confidences: bool
     vocab_size: int
     hidden_size: int
-    def __init__(self, name: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., capture_layers: _Optional[_Iterable[int]] = ..., provides_confidences: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ...) -> None: ...
+    free_proposals: bool
+    def __init__(self, name: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., capture_layers: _Optional[_Iterable[int]] = ..., provides_confidences: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., free_proposals: _Optional[bool] = ...) -> None: ...
