@@ -51,6 +51,16 @@ def _unicode(value):
 REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
 
 
+def _integral(value):
+    """A JSON number with no fractional part (5.0) is an integer by JSON Schema's definition, as
+    the published schema promises: take it as one (in lists too, for token ids); anything else
+    is left to strict validation. A `before` field validator, so the fields' ranges stay in
+    their schemas."""
+    if isinstance(value, list):
+        return [_integral(v) for v in value]
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
     include_usage: bool = False
@@ -93,6 +103,7 @@ class _GenerationParams(BaseModel):
     user: str | None = None
 
     _text_is_unicode = field_validator("model", "stop")(_unicode)  # tokenised or echoed back
+    _integers = field_validator("max_tokens", "top_k", "seed", "n", mode="before")(_integral)
 
     @field_validator("temperature")
     @classmethod
@@ -131,6 +142,7 @@ class CompletionRequest(_GenerationParams):
     suffix: str | None = Field(default=None, max_length=0, description="Only empty")
 
     _prompt_is_unicode = field_validator("prompt")(_unicode)
+    _integers = field_validator("max_tokens", "top_k", "seed", "n", "logprobs", "best_of", "prompt", mode="before")(_integral)
 
     @field_validator("prompt")
     @classmethod
@@ -182,6 +194,8 @@ class ChatCompletionRequest(_GenerationParams):
         "temperature, top_k and top_p"))
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS, description=(
         "Most likely alternatives per token, with logprobs: true (ignored without it)"))
+
+    _integers = field_validator("max_tokens", "top_k", "seed", "n", "max_completion_tokens", "top_logprobs", mode="before")(_integral)
 
     @model_validator(mode="after")
     def _one_max_tokens(self) -> ChatCompletionRequest:
@@ -394,6 +408,11 @@ def with_server_limits(openapi: dict[str, Any], *, max_tokens_limit: int, prompt
             for branch in schemas[model]["properties"][name]["anyOf"]:
                 if branch.get("type") == "integer":
                     branch["maximum"] = max_tokens_limit
+        # FastAPI's OpenAPI model writes bounds as floats: 2**64 - 1 would read 2**64 (and -2**63 - 191
+        # would pass for -2**63). The seed's bounds, exactly:
+        for branch in schemas[model]["properties"]["seed"]["anyOf"]:
+            if branch.get("type") == "integer":
+                branch["minimum"], branch["maximum"] = SEED_RANGE
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         token_ids = branch if branch["type"] == "array" and branch["items"]["type"] == "integer" else branch.get("items")
         if isinstance(token_ids, dict) and token_ids.get("items", {}).get("type") == "integer":
