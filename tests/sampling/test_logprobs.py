@@ -10,11 +10,8 @@ import torch
 from dspark.sampling.logprobs import NOT_ASKED, TokenLogprobs, round_logprobs, top_k_logprobs, top_k_logprobs_reference
 
 
-@pytest.mark.parametrize("vocab", [7, 256, 4099])
-@pytest.mark.parametrize("k", [1, 2, 5, 20])
+@pytest.mark.parametrize(("vocab", "k"), [(7, 1), (7, 5), (7, 7), (256, 1), (256, 2), (256, 20), (4099, 5), (4099, 20)])
 def test_top_k_equals_a_stable_sort_of_the_row_even_with_many_ties(vocab, k):
-    if k > vocab:
-        pytest.skip("k > vocab")
     g = torch.Generator().manual_seed(vocab * 100 + k)
     # values on a coarse grid: most rows have ties at the k-th value (bf16 logits tie often)
     rows = torch.log_softmax(torch.randint(0, 6, (64, vocab), generator=g).float(), dim=-1)  # [64, vocab]
