@@ -246,9 +246,10 @@ async def test_logprobs_travel_with_their_tokens_and_a_taken_over_request_contin
     bus = make_bus(claim_idle_s=0.3)
     engine_a, engine_b = engines(hold_after_steps=4), engines()
     await bus.submit(BusRequest("cmpl-logprobs", PROMPT, 12, GREEDY, logprobs=2))
-    async with worker(bus, engine_a.engine, "a"):
+    async with worker(bus, engine_a.engine, "a") as task_a:
         await wait_for_tokens(bus, "cmpl-logprobs", 2)
-    engine_a.release()
+        task_a.cancel()  # the worker dies mid-request (its engine is held): b takes the request over
+        await asyncio.gather(task_a, return_exceptions=True)
     async with worker(bus, engine_b.engine, "b"):
         events = await tail_all(bus, "cmpl-logprobs")
     assert_contiguous(events)
