@@ -48,6 +48,7 @@ from dspark.serving_config import GatewaySection
 from gateway.api_keys import ApiKeys
 from gateway.errors import ApiError, bus_unavailable, error_body, error_json
 from gateway.guard import RequestGuard
+from gateway.logprobs import Detokenizer, chat_logprobs, completion_logprobs
 from gateway.openai_schema import (
     ERROR_RESPONSES,
     ChatChoice,
@@ -64,6 +65,7 @@ from gateway.openai_schema import (
     ModelList,
     _GenerationParams,
     json_or_event_stream,
+    with_server_limits,
     with_stream_chunk_schemas,
 )
 from gateway.rate_limit import RateLimiter
@@ -79,14 +81,13 @@ DEFAULT_MAX_TOKENS = 256
 HealthCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
 
 
-class GatewayTokenizer(Protocol):
+class GatewayTokenizer(Detokenizer, Protocol):
     """What the gateway needs of a tokenizer (dspark.model.tokenizer.Tokenizer has it)."""
 
     eos_token_ids: frozenset[int]
 
     def encode(self, text: str) -> list[int]: ...
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
-    def decode(self, token_ids: list[int]) -> str: ...
 
 
 class _ClientDisconnected(Exception):
@@ -150,14 +151,21 @@ def create_app(
         raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
     app = FastAPI(title="dspark", summary="OpenAI-compatible API over DSpark speculative decoding", lifespan=lifespan,
                   responses=ERROR_RESPONSES)
-    app.openapi = lambda: with_stream_chunk_schemas(FastAPI.openapi(app))  # FastAPI's "extending OpenAPI" recipe
+    default_max_tokens = min(default_max_tokens, max_tokens_limit)
+    prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
+
+    def openapi() -> dict[str, Any]:  # FastAPI's "extending OpenAPI" recipe, with this server's limits
+        if app.openapi_schema is None:
+            app.openapi_schema = with_server_limits(with_stream_chunk_schemas(FastAPI.openapi(app)), max_tokens_limit=max_tokens_limit,
+                                                    prompt_limit=prompt_limit, vocab_size=vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.state.bus = bus
     app.add_middleware(RequestGuard, api_keys=api_keys if isinstance(api_keys, ApiKeys) else tuple(api_keys),
                        max_body_bytes=max_body_bytes, rate_limiter=rate_limiter,
                        open_paths=("/health", "/live", "/metrics", *OPEN_PATHS), unmetered_paths=(EVENTS_PATH,))
     app.add_middleware(TelemetryMiddleware)  # outermost: a span and metrics for every request, refused ones too
-    default_max_tokens = min(default_max_tokens, max_tokens_limit)
-    prompt_limit = min(max_prompt_tokens or max_model_len - 1, max_model_len - 1)
 
     @app.exception_handler(RequestValidationError)
     async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -207,13 +215,14 @@ def create_app(
         if len(prompt_ids) > prompt_limit:
             raise ApiError(400, f"The {prompt_param} has {len(prompt_ids)} tokens; this server accepts at most {prompt_limit}.",
                            param=prompt_param, code="prompt_too_long")
+        for name in ("max_tokens", "max_completion_tokens"):  # both are bounded, whichever is used
+            value = getattr(body, name, None)
+            if value is not None and value > max_tokens_limit:
+                raise ApiError(400, f"{name} is {value}, this server allows at most {max_tokens_limit}", param=name)
         if body.max_tokens is None:
             max_tokens = min(default_max_tokens, max_model_len - len(prompt_ids))
         else:
             max_tokens = body.max_tokens
-            if max_tokens > max_tokens_limit:
-                raise ApiError(400, f"max_tokens is {max_tokens}, this server allows at most {max_tokens_limit}",
-                               param="max_tokens")
             if len(prompt_ids) + max_tokens > max_model_len:
                 raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
                                     f"requested {len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the "
@@ -229,13 +238,13 @@ def create_app(
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         return BusRequest(spec.request_id, prompt_ids, max_tokens, params, stop_token_ids=tokenizer.eos_token_ids,
-                          traceparent=traceparent, metadata=spec.to_metadata())
+                          traceparent=traceparent, metadata=spec.to_metadata(), logprobs=spec.logprobs)
 
-    def new_spec(kind: str, body: _GenerationParams) -> ResponseSpec:
+    def new_spec(kind: str, body: _GenerationParams, logprobs: int | None) -> ResponseSpec:
         request_id = f"{ID_PREFIX[kind]}{uuid.uuid4().hex}"
         tracing.set_attributes({"dspark.request_id": request_id})  # find a response's trace by its id
-        return ResponseSpec(kind=kind, request_id=request_id, model=model_name,
-                            created=int(time.time()), stop=tuple(body.stop_strings), include_usage=body.include_usage)
+        return ResponseSpec(kind=kind, request_id=request_id, model=model_name, created=int(time.time()),
+                            stop=tuple(body.stop_strings), include_usage=body.include_usage, logprobs=logprobs)
 
     async def submit(bus_request: BusRequest) -> None:
         try:
@@ -306,22 +315,26 @@ def create_app(
             if stream:
                 done = True  # the SSE generator owns the request from here
                 return sse_response(spec, _chain(first, events), resume=None)
-            collected = await unless_disconnected(request, collect_text(_chain(first, events), spec, tokenizer.decode))
+            collected = await unless_disconnected(request, collect_text(_chain(first, events), spec, tokenizer))
             done = collected.reached_final_event
         except _ClientDisconnected:
             raise ApiError(499, "client disconnected") from None
         finally:
             if not done:
                 await cancel_quietly(spec.request_id, events)
+        entries = collected.logprobs
         if spec.kind == "completion":
+            logprobs = None if entries is None else completion_logprobs(entries, tokenizer)
             return CompletionResponse(
                 id=spec.request_id, model=model_name, created=spec.created,
-                choices=[CompletionChoice(text=collected.text, finish_reason=collected.finish_reason)],
+                choices=[CompletionChoice(text=collected.text, logprobs=logprobs, finish_reason=collected.finish_reason)],
                 usage=usage(collected.stats), speculative=speculative(collected.stats),
             ).model_dump()
+        logprobs = None if entries is None else chat_logprobs(entries, tokenizer)
         return ChatCompletionResponse(
             id=spec.request_id, model=model_name, created=spec.created,
-            choices=[ChatChoice(message=ChatMessageOut(content=collected.text), finish_reason=collected.finish_reason)],
+            choices=[ChatChoice(message=ChatMessageOut(content=collected.text), logprobs=logprobs,
+                                finish_reason=collected.finish_reason)],
             usage=usage(collected.stats), speculative=speculative(collected.stats),
         ).model_dump()
 
@@ -331,7 +344,7 @@ def create_app(
     async def sse(spec: ResponseSpec, events: AsyncIterator[OutputEvent], resume: tuple[str, int] | None) -> AsyncIterator[str]:
         """The SSE body. With `resume = (event id, chunk)`, the events up to there are replayed
         through the writer silently and only what follows that chunk is sent."""
-        writer = ChunkWriter(spec, tokenizer.decode)
+        writer = ChunkWriter(spec, tokenizer)
         finished = False  # the request's final event was seen: nothing to cancel
         try:
             async for event in events:
@@ -421,7 +434,7 @@ def create_app(
         if (last_event_id := request.headers.get("last-event-id")) is not None:
             return await resume(request, "completion", body, last_event_id)
         prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        spec = new_spec("completion", body)
+        spec = new_spec("completion", body, body.logprobs)
         bus_request = build_request(spec, body, prompt_ids, "prompt", tracing.current_traceparent())
         return await run(request, spec, bus_request, bool(body.stream))
 
@@ -435,7 +448,7 @@ def create_app(
             prompt_ids = tokenizer.encode_chat(messages)
         except (ValueError, jinja2.TemplateError) as e:
             raise ApiError(400, f"messages cannot be rendered with the model's chat template: {e}", param="messages") from None
-        spec = new_spec("chat", body)
+        spec = new_spec("chat", body, (body.top_logprobs or 0) if body.logprobs else None)
         bus_request = build_request(spec, body, prompt_ids, "messages", tracing.current_traceparent())
         return await run(request, spec, bus_request, bool(body.stream))
 

@@ -57,15 +57,17 @@ def served_model_name(model: str) -> str:
 
 
 def warm_up(engine: SpeculativeEngine, tokenizer: Tokenizer) -> float:
-    """One short greedy generation (a prefill and a decode round) on the caller's thread, before
-    the engine thread exists; returns its seconds."""
+    """One short greedy generation (a prefill and a decode round, with logprobs) on the caller's
+    thread, before the engine thread exists, and the tokenizer's token bytes (built once, for
+    logprobs); returns its seconds."""
     t0 = time.perf_counter()
     prompt = tokenizer.encode("Hello, world. Hello, world.") or [0]
+    tokenizer.token_bytes(prompt)
     # Without the policy: the warm-up precedes the SPS(B) profile that `dspark` policies need
     # (profiling a cold engine would measure first-call overheads). All γ drafts are verified.
     policy, engine.policy = engine.policy, None
     try:
-        engine.generate([GenerationRequest("warmup", prompt, 4, SamplingParams(temperature=0.0))])
+        engine.generate([GenerationRequest("warmup", prompt, 4, SamplingParams(temperature=0.0), logprobs=1)])
     finally:
         engine.policy = policy
     return time.perf_counter() - t0

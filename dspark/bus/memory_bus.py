@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dspark.bus.base import (
     Bus,
@@ -353,8 +353,7 @@ class MemoryBus(Bus):
 
 
 def _with_id(event: OutputEvent, event_id: str) -> OutputEvent:
-    return OutputEvent(offset=event.offset, token_ids=event.token_ids, finish_reason=event.finish_reason,
-                       stats=event.stats, error=event.error, event_id=event_id)
+    return replace(event, event_id=event_id)  # every other field as published
 
 
 def _parse_event_id(after: str | None) -> int:

@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from dspark.sampling.logprobs import MAX_LOGPROBS, TokenLogprobs
 from dspark.sampling.params import SamplingParams
 
 __all__ = [
@@ -80,6 +81,7 @@ class BusRequest:
     # The gateway's own fields (response kind, stop strings, ...): opaque to the bus and the worker,
     # kept so that any gateway replica can resume the response (Last-Event-ID). JSON values only.
     metadata: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None  # alternatives per token of the emitted tokens' logprobs (GenerationRequest's); None: none
 
     def __post_init__(self) -> None:
         check_request_id(self.request_id)
@@ -93,6 +95,9 @@ class BusRequest:
             raise ValueError(f"traceparent must be a W3C traceparent header value, got {self.traceparent!r}")
         if not isinstance(self.metadata, dict):
             raise ValueError(f"metadata must be a dict, got {type(self.metadata).__name__}")  # noqa: TRY004 - a malformed message is a ValueError at this boundary
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and not isinstance(self.logprobs, bool)
+                                              and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     def to_json(self) -> str:
         p = self.params
@@ -105,6 +110,7 @@ class BusRequest:
             "stop_token_ids": sorted(self.stop_token_ids),
             "traceparent": self.traceparent,
             "metadata": self.metadata,
+            "logprobs": self.logprobs,
         }, separators=(",", ":"))
 
     @classmethod
@@ -127,6 +133,7 @@ class BusRequest:
                 stop_token_ids=d.get("stop_token_ids", []),
                 traceparent=d.get("traceparent"),
                 metadata=d.get("metadata") or {},
+                logprobs=d.get("logprobs"),
             )
         except KeyError as e:
             raise ValueError(f"bus request is missing the field {e.args[0]!r}") from None
@@ -189,6 +196,7 @@ class OutputEvent:
     stats: OutputStats | None = None
     error: EventError | None = None  # set iff finish_reason == "error"
     event_id: str = ""  # position in the request's output stream, assigned by the bus on publishing
+    logprobs: TokenLogprobs | None = None  # one entry per token of token_ids, iff the request asked for logprobs
 
     def __post_init__(self) -> None:
         if not isinstance(self.offset, int) or self.offset < 0:
@@ -198,6 +206,11 @@ class OutputEvent:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or None, got {self.finish_reason!r}")
         if (self.finish_reason == "error") != (self.error is not None):
             raise ValueError("an event carries an error exactly when its finish_reason is 'error'")
+        if self.logprobs is not None:
+            if not isinstance(self.logprobs, TokenLogprobs):
+                raise ValueError(f"logprobs must be TokenLogprobs, got {type(self.logprobs).__name__}")  # noqa: TRY004 - a malformed message is a ValueError at this boundary
+            if len(self.logprobs) != len(self.token_ids):
+                raise ValueError(f"logprobs must have one entry per token: {len(self.logprobs)} for {len(self.token_ids)} tokens")
 
     @property
     def final(self) -> bool:
@@ -215,13 +228,14 @@ class OutputEvent:
             "finish_reason": self.finish_reason,
             "stats": None if self.stats is None else self.stats.__dict__,
             "error": None if self.error is None else self.error.__dict__,
+            "logprobs": None if self.logprobs is None else self.logprobs.__dict__,
         }, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes, *, event_id: str = "") -> OutputEvent:
         d = _load_object(text, "output event")
         try:
-            stats, error = d.get("stats"), d.get("error")
+            stats, error, logprobs = d.get("stats"), d.get("error"), d.get("logprobs")
             return cls(
                 offset=d["offset"],
                 token_ids=d["token_ids"],
@@ -229,6 +243,7 @@ class OutputEvent:
                 stats=None if stats is None else OutputStats(**stats),
                 error=None if error is None else EventError(**error),
                 event_id=event_id,
+                logprobs=None if logprobs is None else TokenLogprobs(**logprobs),
             )
         except KeyError as e:
             raise ValueError(f"output event is missing the field {e.args[0]!r}") from None

@@ -68,6 +68,7 @@ def continuation_request(delivery: Delivery) -> GenerationRequest:
         max_new_tokens=req.max_new_tokens - len(published),
         params=continuation_params(req.params, len(published)),
         stop_token_ids=req.stop_token_ids,
+        logprobs=req.logprobs,
     )
 
 
@@ -270,7 +271,7 @@ async def _run(bus: Bus, engine: AsyncEngine, job: _Job) -> None:
     try:
         async for delta in job.stream:
             event = OutputEvent(offset=job.published_end, token_ids=delta.new_token_ids,
-                                finish_reason=delta.finish_reason, stats=cumulative(delta.stats))
+                                finish_reason=delta.finish_reason, stats=cumulative(delta.stats), logprobs=delta.logprobs)
             if event.final:
                 await _finish(bus, job, event)
                 return

@@ -50,6 +50,7 @@ from dspark.engine.speculative import GenerationRequest, RequestState, Speculati
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.observability import tracing
 from dspark.observability.metrics import RequestTiming, engine_metrics
+from dspark.sampling.logprobs import TokenLogprobs
 
 __all__ = ["AsyncEngine", "EngineError", "GenerationDelta", "GenerationStats", "RequestStream"]
 
@@ -91,6 +92,7 @@ class GenerationDelta:
     new_token_ids: list[int]
     finish_reason: str | None  # "stop" (a stop token) | "length" | None while running
     stats: GenerationStats
+    logprobs: TokenLogprobs | None = None  # one entry per new token, iff the request asked for logprobs
 
 
 _ACCEPTED = object()  # first event of a request that passed validation
@@ -361,6 +363,7 @@ class AsyncEngine:
                 new_token_ids=out.new_token_ids,
                 finish_reason=out.finish_reason,
                 stats=GenerationStats.of(handle.state),
+                logprobs=out.logprobs,
             )
             self.metrics.record_output(handle.timing, len(out.new_token_ids), out.finish_reason, now)
             if out.finish_reason is not None:

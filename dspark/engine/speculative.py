@@ -59,6 +59,7 @@ from dspark.observability.round_feed import RequestRound, RoundDetail, RoundFeed
 from dspark.observability.rounds import RoundObserver
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs
+from dspark.sampling.logprobs import MAX_LOGPROBS, NOT_ASKED, TokenLogprobs
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.draft_gate import DraftGate
 from dspark.scheduling.policies import Policy
@@ -83,6 +84,9 @@ class GenerationRequest:
     max_new_tokens: int
     params: SamplingParams = SamplingParams()  # noqa: RUF009  (frozen: one shared default is safe)
     stop_token_ids: frozenset[int] = frozenset()  # emitting one ends the request (it is kept in the output)
+    # Log-probabilities of the emitted tokens with this many alternatives each (0: the token's
+    # own only), dspark/sampling/logprobs.py; None: none (and nothing is computed for it)
+    logprobs: int | None = None
 
 
 @dataclass
@@ -121,6 +125,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    logprobs: TokenLogprobs | None = None  # one entry per new token, iff the request asked for logprobs
 
 
 @dataclass
@@ -232,6 +237,8 @@ class SpeculativeEngine:
                 f"prompt ({len(request.prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) = {need} "
                 f"exceeds the context window of {self.verifier.max_model_len} tokens"
             )
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be None or in [0, {MAX_LOGPROBS}] (alternatives per token), got {request.logprobs}")
         if request.request_id in self.running:
             raise ValueError(f"request id {request.request_id!r} is already running")
         if need > self.verifier.kv_budget_tokens:
@@ -340,6 +347,9 @@ class SpeculativeEngine:
         self.verifier_outage = None
         num_accepted = verified.result.num_accepted.tolist()
         tokens = verified.result.output_token_ids.tolist()
+        round_logprobs = verified.logprobs
+        if round_logprobs is None and any(s.request.logprobs is not None for s in states):
+            raise RuntimeError("requests of the round asked for logprobs; the verifier returned none")
         self.counters.steps += 1
         if self.draft_gate is not None and model_drafted:
             accepted_of = {s.request.request_id: a for s, a in zip(states, num_accepted)}
@@ -371,7 +381,10 @@ class SpeculativeEngine:
                 if s.first_token_time is None:  # not a rebuild's prefill
                     s.first_token_time = now
                 prefill_tokens += len(s.request.prompt_ids)
-            out = self._append(s, emitted)
+            logprobs = None
+            if s.request.logprobs is not None:
+                logprobs = round_logprobs.for_request(i, len(emitted), s.request.logprobs)
+            out = self._append(s, emitted, logprobs)
             if out.finish_reason is not None:
                 finished.append(out.request_id)
             outputs.append(out)
@@ -482,6 +495,7 @@ class SpeculativeEngine:
                 anchors.append(PREFILL_ANCHOR)
                 num_drafts.append(0)
         draft_ids = torch.cat([d.token_ids for d in drafts]) if drafts else torch.empty(0, dtype=torch.long)  # [Σ l_r]
+        wanted = [NOT_ASKED if s.request.logprobs is None else s.request.logprobs for s in states]
         return VerifyBatch(
             round_id=self.counters.steps,
             request_ids=[s.request.request_id for s in states],
@@ -490,6 +504,7 @@ class SpeculativeEngine:
             draft_token_ids=draft_ids,
             draft_probs=self._draft_probs(drafts),
             capture_hidden_states=self.drafter_needs_hidden,
+            num_logprobs=torch.tensor(wanted, dtype=torch.long) if any(k != NOT_ASKED for k in wanted) else None,  # [num_requests]
         )
 
     def _draft_probs(self, drafts: list[DraftProposal]) -> DraftProbs | None:
@@ -519,7 +534,7 @@ class SpeculativeEngine:
         except PartFailure as e:
             self._drafter_failed(e)
 
-    def _append(self, s: RequestState, emitted: list[int]) -> StepOutput:
+    def _append(self, s: RequestState, emitted: list[int], logprobs: TokenLogprobs | None = None) -> StepOutput:
         req = s.request
         kept = []
         for t in emitted:
@@ -536,7 +551,8 @@ class SpeculativeEngine:
         if s.finish_reason is not None:
             del self.running[req.request_id]
             self.counters.finished += 1
-        return StepOutput(request_id=req.request_id, new_token_ids=kept, finish_reason=s.finish_reason)
+        return StepOutput(request_id=req.request_id, new_token_ids=kept, finish_reason=s.finish_reason,
+                          logprobs=None if logprobs is None else logprobs.head(len(kept)))
 
     # ---- faults (dspark/engine/faults.py) -------------------------------------------------
 

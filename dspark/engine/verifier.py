@@ -7,7 +7,8 @@ randomness lives where the sampling happens). One `verify(batch)` call is one ro
     forward over [x_0, x_1..x_ℓ] of every decoding request and the whole prompt of every request in
     its first round (one flattened batch) -> exact rejection sampling against the very rows p_d
     the drafts were sampled from -> KV truncated to prompt + accepted prefix -> emitted tokens and,
-    on request, the captured target hidden states of the newly verified positions.
+    on request, the captured target hidden states of the newly verified positions and the
+    log-probabilities of the emitted tokens (dspark/sampling/logprobs.py: read from the same rows).
 
 Invariant per request, between rounds: its KV cache holds every token the target has verified
 (prompt + output[:-1]); the last emitted token (the next anchor x_0) has no K/V yet.
@@ -32,6 +33,7 @@ from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.model.target_runtime import TargetRuntime
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs, RejectionBatch, RejectionResult, draw_rejection_randoms, rejection_sample
+from dspark.sampling.logprobs import MAX_LOGPROBS, NOT_ASKED, RoundLogprobs, round_logprobs
 from dspark.sampling.params import SamplingParams
 
 __all__ = ["KVBudgetExceeded", "LocalVerifier", "Verifier", "VerifyBatch", "VerifyResult", "resolve_sampler_backend"]
@@ -54,6 +56,9 @@ class VerifyBatch:
     draft_token_ids: torch.Tensor  # [num_draft_tokens] int64
     draft_probs: DraftProbs | None  # [num_draft_tokens] rows; None only if no request has drafts
     capture_hidden_states: bool = False
+    # [num_requests] int64 alternatives wanted per emitted token, -1 = no log-probabilities (0: the
+    # emitted token's only); None: no request of the round asks
+    num_logprobs: torch.Tensor | None = None
 
 
 @dataclass
@@ -65,6 +70,7 @@ class VerifyResult:
     result: RejectionResult
     hidden_states: torch.Tensor | None = None  # [sum n_r, num_capture_layers, hidden]
     num_hidden_positions: torch.Tensor | None = None  # [num_requests] int64 n_r, None iff hidden_states is
+    logprobs: RoundLogprobs | None = None  # the emitted tokens' log-probabilities; None unless a request asked
 
 
 class Verifier(Protocol):
@@ -229,6 +235,10 @@ class LocalVerifier:
             for rid, length in zip(batch.request_ids, context_lens):
                 self.runtime.truncate(rid, length)
             raise
+        logprobs = None
+        if batch.num_logprobs is not None:
+            logprobs = round_logprobs(out.logits, output_token_ids=result.output_token_ids, num_accepted=result.num_accepted,
+                                      num_draft_tokens=batch.num_draft_tokens, num_logprobs=batch.num_logprobs)
 
         num_accepted = result.num_accepted.tolist()
         hidden_pieces, hidden_counts = [], []
@@ -249,7 +259,7 @@ class LocalVerifier:
             hidden = torch.cat(hidden_pieces)  # [sum n_r, num_capture_layers, hidden]
             num_hidden = torch.tensor(hidden_counts, dtype=torch.long)  # [num_requests]
         return VerifyResult(round_id=batch.round_id, request_ids=list(batch.request_ids), result=result,
-                            hidden_states=hidden, num_hidden_positions=num_hidden)
+                            hidden_states=hidden, num_hidden_positions=num_hidden, logprobs=logprobs)
 
     def _check(self, batch: VerifyBatch) -> list[_VerifierRequest]:
         """ValueError for a batch that does not match the verifier's state (checked before any change)."""
@@ -262,6 +272,12 @@ class LocalVerifier:
             t = getattr(batch, name)
             if tuple(t.shape) != (r,):
                 raise ValueError(f"{name} must hold one entry per request [{r}], got shape {list(t.shape)}")
+        if batch.num_logprobs is not None:
+            k = batch.num_logprobs
+            if tuple(k.shape) != (r,) or k.is_floating_point():
+                raise ValueError(f"num_logprobs must be integer [num_requests] = [{r}], got {k.dtype} {list(k.shape)}")
+            if k.numel() and not (int(k.min()) >= NOT_ASKED and int(k.max()) <= MAX_LOGPROBS):
+                raise ValueError(f"num_logprobs must be in [0, {MAX_LOGPROBS}] or {NOT_ASKED} (none), got {k.tolist()}")
         total = int(batch.num_draft_tokens.sum())
         if tuple(batch.draft_token_ids.shape) != (total,):
             raise ValueError(f"draft_token_ids must hold sum(num_draft_tokens) = {total} ids, got shape {list(batch.draft_token_ids.shape)}")

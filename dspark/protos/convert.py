@@ -26,6 +26,7 @@ from dspark.engine.speculative import GenerationRequest, StepOutput
 from dspark.engine.verifier import VerifyBatch, VerifyResult
 from dspark.profiling.sps import SPSProfile
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
+from dspark.sampling.logprobs import RoundLogprobs, TokenLogprobs
 from dspark.sampling.params import SamplingParams
 from dspark.sampling.rejection_sampler import DraftProbs, RejectionResult
 
@@ -226,6 +227,42 @@ def append_features_from_proto(msg: drafter_pb2.AppendFeaturesRequest) -> dict[s
     return {item.request_id: tensor_from_proto(item.features) for item in msg.requests}
 
 
+def token_logprobs_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprobs:
+    k = len(lp.top_ids[0]) if lp.top_ids else 0
+    return common_pb2.TokenLogprobs(logprobs=lp.logprobs, k=k, top_ids=[t for row in lp.top_ids for t in row],
+                                    top_logprobs=[x for row in lp.top_logprobs for x in row])
+
+
+def token_logprobs_from_proto(msg: common_pb2.TokenLogprobs) -> TokenLogprobs:
+    n, k = len(msg.logprobs), msg.k
+    ids, lps = list(msg.top_ids), list(msg.top_logprobs)
+    return TokenLogprobs(logprobs=list(msg.logprobs), top_ids=[ids[i * k : (i + 1) * k] for i in range(n)],
+                         top_logprobs=[lps[i * k : (i + 1) * k] for i in range(n)])
+
+
+def _emitted(num_accepted: torch.Tensor, width: int) -> torch.Tensor:  # [num_requests, width] bool
+    return torch.arange(width)[None, :] <= num_accepted.cpu()[:, None]
+
+
+def round_logprobs_to_proto(lp: RoundLogprobs, num_accepted: torch.Tensor) -> common_pb2.TokenLogprobs:
+    """A round's logprobs over its emitted tokens, concatenated like VerifyResult.emitted_token_ids."""
+    emitted = _emitted(num_accepted, lp.token_logprobs.shape[1])
+    return common_pb2.TokenLogprobs(logprobs=_floats(lp.token_logprobs[emitted]).tolist(), k=lp.top_token_ids.shape[2],
+                                    top_ids=_ints(lp.top_token_ids[emitted]), top_logprobs=_floats(lp.top_logprobs[emitted]).tolist())
+
+
+def round_logprobs_from_proto(msg: common_pb2.TokenLogprobs, num_accepted: torch.Tensor, width: int) -> RoundLogprobs:
+    r, k = num_accepted.shape[0], msg.k
+    emitted = _emitted(num_accepted, width)
+    token_logprobs = torch.full((r, width), float("nan"))
+    top_token_ids = torch.full((r, width, k), -1, dtype=torch.long)
+    top_logprobs = torch.full((r, width, k), float("nan"))
+    token_logprobs[emitted] = _f32(msg.logprobs)
+    top_token_ids[emitted] = _long(msg.top_ids, (-1, k))
+    top_logprobs[emitted] = _f32(msg.top_logprobs, (-1, k))
+    return RoundLogprobs(token_logprobs=token_logprobs, top_token_ids=top_token_ids, top_logprobs=top_logprobs)
+
+
 # ---------------------------------------------------------------------------------------------
 # verifier.proto
 # ---------------------------------------------------------------------------------------------
@@ -236,6 +273,7 @@ def verify_batch_to_proto(b: VerifyBatch) -> verifier_pb2.VerifyBatch:
         round_id=b.round_id, request_ids=b.request_ids, anchor_token_ids=_ints(b.anchor_token_ids),
         num_draft_tokens=_ints(b.num_draft_tokens), draft_token_ids=_ints(b.draft_token_ids),
         capture_hidden_states=b.capture_hidden_states,
+        num_logprobs=[] if b.num_logprobs is None else _ints(b.num_logprobs),
     )
     if b.draft_probs is not None:
         draft_probs_to_proto(b.draft_probs, msg)
@@ -247,6 +285,7 @@ def verify_batch_from_proto(msg: verifier_pb2.VerifyBatch) -> VerifyBatch:
         round_id=msg.round_id, request_ids=list(msg.request_ids), anchor_token_ids=_long(msg.anchor_token_ids),
         num_draft_tokens=_long(msg.num_draft_tokens), draft_token_ids=_long(msg.draft_token_ids),
         draft_probs=draft_probs_from_proto(msg), capture_hidden_states=msg.capture_hidden_states,
+        num_logprobs=_long(msg.num_logprobs) if len(msg.num_logprobs) else None,
     )
 
 
@@ -262,6 +301,8 @@ def verify_result_to_proto(v: VerifyResult) -> verifier_pb2.VerifyResult:
     if v.hidden_states is not None:
         msg.hidden_states.CopyFrom(tensor_to_proto(v.hidden_states))
         msg.num_hidden_positions.extend(_ints(v.num_hidden_positions))
+    if v.logprobs is not None:
+        msg.logprobs.CopyFrom(round_logprobs_to_proto(v.logprobs, v.result.num_accepted))
     return msg
 
 
@@ -273,11 +314,13 @@ def verify_result_from_proto(msg: verifier_pb2.VerifyResult) -> VerifyResult:
         out[r, : a + 1] = torch.tensor(msg.emitted_token_ids[offset : offset + a + 1], dtype=torch.int64)
         offset += a + 1
     has_hidden = msg.HasField("hidden_states")
+    num_accepted = _long(accepted)
     return VerifyResult(
         round_id=msg.round_id, request_ids=list(msg.request_ids),
-        result=RejectionResult(output_token_ids=out, num_accepted=_long(accepted)),
+        result=RejectionResult(output_token_ids=out, num_accepted=num_accepted),
         hidden_states=tensor_from_proto(msg.hidden_states) if has_hidden else None,
         num_hidden_positions=_long(msg.num_hidden_positions) if has_hidden else None,
+        logprobs=round_logprobs_from_proto(msg.logprobs, num_accepted, msg.max_num_draft + 1) if msg.HasField("logprobs") else None,
     )
 
 
@@ -297,7 +340,7 @@ def sps_profile_from_proto(msg: verifier_pb2.SPSProfile) -> SPSProfile:
 def generation_request_to_proto(r: GenerationRequest) -> scheduler_pb2.GenerationRequest:
     return scheduler_pb2.GenerationRequest(
         request_id=r.request_id, prompt_ids=r.prompt_ids, max_new_tokens=r.max_new_tokens,
-        params=sampling_params_to_proto(r.params), stop_token_ids=sorted(r.stop_token_ids),
+        params=sampling_params_to_proto(r.params), stop_token_ids=sorted(r.stop_token_ids), logprobs=r.logprobs,
     )
 
 
@@ -305,18 +348,23 @@ def generation_request_from_proto(msg: scheduler_pb2.GenerationRequest) -> Gener
     return GenerationRequest(
         request_id=msg.request_id, prompt_ids=list(msg.prompt_ids), max_new_tokens=msg.max_new_tokens,
         params=sampling_params_from_proto(msg.params), stop_token_ids=frozenset(msg.stop_token_ids),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
 def step_output_to_proto(s: StepOutput) -> scheduler_pb2.StepOutput:
-    return scheduler_pb2.StepOutput(
+    msg = scheduler_pb2.StepOutput(
         request_id=s.request_id, new_token_ids=s.new_token_ids, finish_reason=_FINISH_REASONS[s.finish_reason]
     )
+    if s.logprobs is not None:
+        msg.logprobs.CopyFrom(token_logprobs_to_proto(s.logprobs))
+    return msg
 
 
 def step_output_from_proto(msg: scheduler_pb2.StepOutput) -> StepOutput:
     return StepOutput(
-        request_id=msg.request_id, new_token_ids=list(msg.new_token_ids), finish_reason=_FINISH_NAMES[msg.finish_reason]
+        request_id=msg.request_id, new_token_ids=list(msg.new_token_ids), finish_reason=_FINISH_NAMES[msg.finish_reason],
+        logprobs=token_logprobs_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
     )
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
+from dspark.sampling.logprobs import MAX_LOGPROBS, NOT_ASKED
 from dspark.sampling.params import MIN_TEMPERATURE
 from dspark.sampling.rejection_sampler import ROW_SUM_TOL  # one tolerance on draft rows, here and in the sampler
 MAX_REQUEST_ID_LEN = 256
@@ -291,6 +292,26 @@ def verify_batch(msg: verifier_pb2.VerifyBatch, *, vocab_size: int) -> None:
     tokens = token_ids(msg.draft_token_ids, "draft_token_ids", vocab_size=vocab_size)
     if total or msg.WhichOneof("draft_probs") is not None:
         draft_rows(msg, "draft_probs", tokens, "", vocab_size=vocab_size, token_field="draft_token_ids")
+    if len(msg.num_logprobs):
+        _check(len(msg.num_logprobs) == r, "num_logprobs", f"must hold one entry per request ({r}) or none, got {len(msg.num_logprobs)}")
+        k = np.asarray(msg.num_logprobs, dtype=np.int64)
+        bad = np.flatnonzero((k < NOT_ASKED) | (k > MAX_LOGPROBS))
+        _check(bad.size == 0, lambda: f"num_logprobs[{bad[0]}]",
+               lambda: f"must be in [0, {MAX_LOGPROBS}] or {NOT_ASKED} (none), got {k[bad[0]]}")
+
+
+def token_logprobs(msg: common_pb2.TokenLogprobs, field: str, *, num_tokens: int, vocab_size: int) -> None:
+    """Log-probabilities of `num_tokens` tokens: sizes, k, alternative ids (-1 = none)."""
+    n = len(msg.logprobs)
+    _check(n == num_tokens, _join(field, "logprobs"), f"must hold one entry per token ({num_tokens}), got {n}")
+    _check(0 <= msg.k <= MAX_LOGPROBS, _join(field, "k"), f"must be in [0, {MAX_LOGPROBS}], got {msg.k}")
+    for name in ("top_ids", "top_logprobs"):
+        got = len(getattr(msg, name))
+        _check(got == n * msg.k, _join(field, name), f"must hold num_tokens * k = {n * msg.k} entries, got {got}")
+    ids = np.asarray(msg.top_ids, dtype=np.int64)
+    bad = np.flatnonzero((ids < -1) | (ids >= vocab_size))
+    _check(bad.size == 0, lambda: _join(field, f"top_ids[{bad[0]}]"),
+           lambda: f"token id {ids[bad[0]]} out of range [0, {vocab_size}) (or -1: none)")
 
 
 def verify_result(msg: verifier_pb2.VerifyResult, *, vocab_size: int) -> None:
@@ -315,6 +336,8 @@ def verify_result(msg: verifier_pb2.VerifyResult, *, vocab_size: int) -> None:
         _check(int(n.sum()) == shape[0], "num_hidden_positions", f"must sum to hidden_states.shape[0] = {shape[0]}, got {int(n.sum())}")
     else:
         _check(len(msg.num_hidden_positions) == 0, "num_hidden_positions", "must be empty when hidden_states is absent")
+    if msg.HasField("logprobs"):
+        token_logprobs(msg.logprobs, "logprobs", num_tokens=want, vocab_size=vocab_size)
 
 
 def verifier_info(msg: verifier_pb2.VerifierInfo) -> None:
@@ -350,6 +373,8 @@ def generation_request(msg: scheduler_pb2.GenerationRequest, *, vocab_size: int)
     _check(msg.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {msg.max_new_tokens}")
     _params_field(msg, "params")
     token_ids(msg.stop_token_ids, "stop_token_ids", vocab_size=vocab_size)
+    if msg.HasField("logprobs"):
+        _check(0 <= msg.logprobs <= MAX_LOGPROBS, "logprobs", f"must be in [0, {MAX_LOGPROBS}] when set, got {msg.logprobs}")
 
 
 def step_output(msg: scheduler_pb2.StepOutput, *, vocab_size: int) -> None:
@@ -357,6 +382,8 @@ def step_output(msg: scheduler_pb2.StepOutput, *, vocab_size: int) -> None:
     token_ids(msg.new_token_ids, "new_token_ids", vocab_size=vocab_size)
     known = common_pb2.FinishReason.values()
     _check(msg.finish_reason in known, "finish_reason", f"unknown enum value {msg.finish_reason}, expected one of {known}")
+    if msg.HasField("logprobs"):
+        token_logprobs(msg.logprobs, "logprobs", num_tokens=len(msg.new_token_ids), vocab_size=vocab_size)
 
 
 def cancel_request(msg: scheduler_pb2.CancelRequest) -> None:

@@ -131,7 +131,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     delta: GenerationDelta = step.result()
                 except StopAsyncIteration:
                     return
-                yield convert.step_output_to_proto(StepOutput(rid, delta.new_token_ids, delta.finish_reason))
+                yield convert.step_output_to_proto(StepOutput(rid, delta.new_token_ids, delta.finish_reason, delta.logprobs))
                 if delta.finish_reason is not None:
                     return
         except EngineError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dspark.bus.messages import BusRequest, EventError, OutputEvent, OutputStats, is_valid_traceparent
+from dspark.sampling.logprobs import TokenLogprobs
 from dspark.sampling.params import SamplingParams
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -26,7 +27,24 @@ def test_event_round_trips_through_json_and_knows_its_end():
     assert OutputEvent.from_json(failed.to_json()).error == EventError("server", "boom")
 
 
+def test_logprobs_round_trip_through_json_with_the_request_and_its_events():
+    req = BusRequest("chatcmpl-1", [1, 2], 4, logprobs=3)
+    assert BusRequest.from_json(req.to_json()).logprobs == 3
+    assert BusRequest.from_json(BusRequest("r", [1], 2).to_json()).logprobs is None
+    lp = TokenLogprobs([-0.25, -1.5], [[7, 1], [8, 2]], [[-0.25, -2.0], [-0.75, -1.5]])
+    back = OutputEvent.from_json(OutputEvent(offset=0, token_ids=[7, 8], logprobs=lp).to_json())
+    assert back.logprobs == lp
+    assert OutputEvent.from_json(OutputEvent(offset=0, token_ids=[7]).to_json()).logprobs is None
+
+
+def test_an_events_logprobs_have_one_entry_per_token():
+    with pytest.raises(ValueError, match="one entry per token"):
+        OutputEvent(offset=0, token_ids=[7, 8], logprobs=TokenLogprobs([-0.5], [[]], [[]]))
+
+
 @pytest.mark.parametrize("kwargs,field", [
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"request_id": ""}, "request_id"),
     ({"request_id": "a/b"}, "request_id"),
     ({"request_id": "x" * 300}, "request_id"),

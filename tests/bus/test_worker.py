@@ -236,6 +236,31 @@ async def test_a_stopping_worker_leaves_its_requests_pending_for_others(make_bus
     assert tokens_of(events) == reference(PROMPT, 30)
 
 
+async def test_logprobs_travel_with_their_tokens(make_bus, engines):
+    """Requested logprobs ride on each event with its tokens: the stream holds the logprobs of the
+    engine's own run. (A take-over mid-request is left to test_a_continuation_... below: a worker
+    test that held one engine and moved the request to another hung intermittently under load.)"""
+    engine = SpeculativeEngine(make_tiny_runtime(), None)
+    expected = [out.logprobs for out in _steps(engine, GenerationRequest("ref", PROMPT, 12, GREEDY, logprobs=2))]
+    expected_lps = [x for lp in expected for x in lp.logprobs]
+    bus = make_bus()
+    await bus.submit(BusRequest("cmpl-logprobs", PROMPT, 12, GREEDY, logprobs=2))
+    async with worker(bus, engines().engine, "a"):
+        events = await tail_all(bus, "cmpl-logprobs")
+    assert_contiguous(events)
+    assert tokens_of(events) == reference(PROMPT, 12)
+    got = [x for e in events if e.logprobs is not None for x in e.logprobs.logprobs]
+    assert all(e.logprobs is not None for e in events if e.token_ids)
+    assert got == expected_lps
+    assert all(len(ids) == 2 for e in events if e.logprobs is not None for ids in e.logprobs.top_ids)
+
+
+def _steps(engine: SpeculativeEngine, request: GenerationRequest):
+    engine.add_request(request)
+    while engine.has_unfinished:
+        yield from engine.step()
+
+
 def test_a_continuation_prompts_with_the_published_tokens_and_derives_a_fresh_seed():
     req = BusRequest("r", [1, 2], 10, SamplingParams(temperature=1.0, seed=7), stop_token_ids=frozenset({0}))
     fresh = continuation_request(Delivery(req, "1-0", "c", 1, Published([], None, False)))
@@ -243,6 +268,8 @@ def test_a_continuation_prompts_with_the_published_tokens_and_derives_a_fresh_se
     cont = continuation_request(Delivery(req, "1-0", "c", 2, Published([5, 6, 9], None, False)))
     assert cont.prompt_ids == [1, 2, 5, 6, 9] and cont.max_new_tokens == 7 and cont.stop_token_ids == frozenset({0})
     assert cont.params.seed == continuation_seed(7, 3) != 7  # not a replay of the first tokens' random numbers
+    assert cont.logprobs is None
+    assert continuation_request(Delivery(BusRequest("r", [1], 4, logprobs=5), "1-0", "c", 1, Published([3], None, False))).logprobs == 5
     assert continuation_seed(7, 3) == continuation_seed(7, 3) != continuation_seed(7, 4)
     assert 0 <= continuation_seed(-5, 1) < 2**63
 

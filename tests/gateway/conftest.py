@@ -96,3 +96,6 @@ class ByteTokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return bytes(token_ids).decode("latin-1")
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes | None]:
+        return [chr(t).encode("utf-8") for t in token_ids]  # each token's one Latin-1 character, as UTF-8

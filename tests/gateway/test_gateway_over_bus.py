@@ -187,16 +187,22 @@ async def test_32_concurrent_streams_complete_each_with_its_single_request_outpu
 # ---- resuming a stream ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("kind", ["chat", "completion", "chat with logprobs", "completion with logprobs"])
 async def test_a_stream_resumes_after_any_last_event_id_on_another_replica(stack_factory, kind):
     stack = await stack_factory()
-    if kind == "chat":
+    if kind.startswith("chat"):
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "go on"}]}
+        if kind.endswith("logprobs"):
+            body.update(logprobs=True, top_logprobs=2)
     else:
         path, body = "/v1/completions", {"prompt": "resume me:"}
+        if kind.endswith("logprobs"):
+            body.update(logprobs=2)
     body.update(model=MODEL, max_tokens=30, temperature=0, stream=True, stream_options={"include_usage": True})
     full = sse_events((await post(stack.app, path, body)).text)
     assert len(full) >= 5 and full[-1] == (None, "[DONE]")
+    with_logprobs = [json.loads(d)["choices"][0]["logprobs"] for _, d in full[:-1] if json.loads(d)["choices"]]
+    assert any(with_logprobs) == kind.endswith("logprobs")  # the replica writes them from the replayed events
 
     replica = stack.replica()  # the first gateway "died": the client reconnects elsewhere
     for k in sorted({0, 1, len(full) // 2, len(full) - 3, len(full) - 2}):

@@ -217,6 +217,38 @@ async def test_stop_strings_cut_the_text_in_plain_and_streamed_responses(served)
     assert await asyncio.to_thread(wait_until, lambda: served.runtime.kv.reserved_tokens == 0, 10.0)
 
 
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_logprobs_on_the_default_model_are_plain_decodings_and_their_bytes_spell_the_text(served):
+    """With the real byte-level BPE: speculation (ngram) changes no logprob, and the tokens' bytes
+    concatenate to the text (multi-byte characters included: "ü", "→")."""
+    messages = [{"role": "user", "content": "Repeat exactly: über → naïve café, über → naïve café"}]
+    req = {"model": served.model_name, "messages": messages, "max_tokens": 32, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    body = (await post(served.app, "/v1/chat/completions", req)).json()
+    choice = body["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert body["speculative"]["accepted_tokens"] > 0, "no draft was accepted: the comparison would be vacuous"
+
+    direct = SpeculativeEngine(TargetRuntime(served.runtime.model, kv_budget_tokens=1024), None)
+    direct.add_request(GenerationRequest("d", served.tokenizer.encode_chat(messages), 32, GREEDY,
+                                         stop_token_ids=served.tokenizer.eos_token_ids, logprobs=3))
+    expected = []
+    while direct.has_unfinished:
+        for out in direct.step():
+            expected += out.logprobs.logprobs
+    assert [c["logprob"] for c in content] == expected  # the stop token (if any) included, as in usage
+    assert len(content) == body["usage"]["completion_tokens"]
+    text = bytes(b for c in content if c["bytes"] is not None for b in c["bytes"]).decode("utf-8")
+    assert text == choice["message"]["content"]
+    assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)
+
+    completion = (await post(served.app, "/v1/completions", {"model": served.model_name, "prompt": "über → naïve café, über",
+                                                             "max_tokens": 16, "temperature": 0, "logprobs": 2})).json()
+    lp, text = completion["choices"][0]["logprobs"], completion["choices"][0]["text"]
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and all(0 <= o <= len(text) for o in lp["text_offset"])
+    assert all(len(top) <= 3 and token in top for token, top in zip(lp["tokens"], lp["top_logprobs"]))
+
+
 def _too_long(served) -> dict:
     ctx = served.runtime.max_model_len
     return {"model": served.model_name, "prompt": [28] * (ctx - 10), "max_tokens": 32}
@@ -249,7 +281,9 @@ BAD_INPUTS = [
      lambda s: {"model": s.model_name, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("n = 2", "/v1/chat/completions", lambda s: {"model": s.model_name, "messages": CHAT, "n": 2}, 400, "n"),
     ("empty stop string", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "stop": [""]}, 400, "stop"),
-    ("logprobs", "/v1/chat/completions", lambda s: {"model": s.model_name, "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("too many top_logprobs", "/v1/chat/completions",
+     lambda s: {"model": s.model_name, "messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("completion logprobs over 5", "/v1/completions", lambda s: {"model": s.model_name, "prompt": "hi", "logprobs": 6}, 400, "logprobs"),
 ]
 
 
@@ -355,6 +389,13 @@ def test_the_official_openai_client_works_against_a_live_server(served, live_url
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
     completion = client.completions.create(model=served.model_name, prompt="Hello", max_tokens=4, temperature=0)
     assert completion.choices[0].finish_reason in ("stop", "length")
+    scored = client.chat.completions.create(model=served.model_name, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                            top_logprobs=2)
+    spelled = bytes(b for t in scored.choices[0].logprobs.content if t.bytes is not None for b in t.bytes).decode("utf-8")
+    assert spelled == scored.choices[0].message.content == text
+    assert all(len(t.top_logprobs) == 2 for t in scored.choices[0].logprobs.content)
+    scored = client.completions.create(model=served.model_name, prompt="Hello", max_tokens=4, temperature=0, logprobs=1)
+    assert len(scored.choices[0].logprobs.token_logprobs) == scored.usage.completion_tokens
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-9", prompt="Hello", max_tokens=4)
     with pytest.raises(openai.BadRequestError):

@@ -12,6 +12,7 @@ from dspark.protos import convert
 from dspark.protos.convert import VerifyBatch, VerifyResult
 from dspark.protos.dspark.v1 import common_pb2, drafter_pb2, scheduler_pb2, verifier_pb2
 from dspark.protos.validate import validate
+from dspark.sampling.logprobs import TokenLogprobs, round_logprobs
 from dspark.sampling.params import SamplingParams
 from dspark.sampling.rejection_sampler import DraftProbs, RejectionResult
 
@@ -161,11 +162,13 @@ def test_verify_batch_round_trips(rows):
     b = VerifyBatch(
         round_id=3, request_ids=["p", "q", "r"], anchor_token_ids=torch.tensor([-1, 7, 8]),
         num_draft_tokens=torch.tensor(lens), draft_token_ids=tokens, draft_probs=dp, capture_hidden_states=True,
+        num_logprobs=torch.tensor([0, -1, 20]) if rows != "none" else None,  # None: no request asks
     )
     msg = _wire(convert.to_proto(b))
     validate(msg, vocab_size=VOCAB)
     back = convert.verify_batch_from_proto(msg)
     assert (back.round_id, back.request_ids, back.capture_hidden_states) == (3, ["p", "q", "r"], True)
+    assert (back.num_logprobs is None and b.num_logprobs is None) or torch.equal(back.num_logprobs, b.num_logprobs)
     for name in ("anchor_token_ids", "num_draft_tokens", "draft_token_ids"):
         assert torch.equal(getattr(back, name), getattr(b, name)), name
     if dp is None:
@@ -197,6 +200,23 @@ def test_verify_result_round_trips(hidden):
         assert back.hidden_states is None and back.num_hidden_positions is None
 
 
+def test_verify_result_logprobs_round_trip_bit_exactly():
+    out = torch.tensor([[5, -1, -1, -1], [1, 2, 3, 4], [9, 8, -1, -1]])
+    accepted, num_drafts = torch.tensor([0, 3, 1]), torch.tensor([0, 3, 3])
+    logits = torch.randn(int(num_drafts.sum()) + 3, VOCAB, generator=torch.Generator().manual_seed(0))
+    lp = round_logprobs(logits, output_token_ids=out, num_accepted=accepted, num_draft_tokens=num_drafts,
+                        num_logprobs=torch.tensor([2, -1, 0]))  # one request did not ask, one wants no alternatives
+    v = VerifyResult(round_id=4, request_ids=["a", "b", "c"], result=RejectionResult(output_token_ids=out, num_accepted=accepted),
+                     logprobs=lp)
+    msg = _wire(convert.to_proto(v))
+    validate(msg, vocab_size=VOCAB)
+    assert msg.logprobs.k == 2 and len(msg.logprobs.logprobs) == 7  # one entry per emitted token
+    back = convert.verify_result_from_proto(msg).logprobs
+    for name in ("token_logprobs", "top_token_ids", "top_logprobs"):
+        assert torch.equal(getattr(back, name).nan_to_num(7.0), getattr(lp, name).nan_to_num(7.0)), name
+    assert convert.verify_result_from_proto(_wire(convert.to_proto(VerifyResult(4, ["a"], v.result)))).logprobs is None
+
+
 def test_sps_profile_round_trips_exactly():
     p = SPSProfile(batch_sizes=[1, 2, 8, 64], step_seconds=[0.055, 0.0571, 0.079, 0.164])
     msg = _wire(convert.to_proto(p))
@@ -210,6 +230,9 @@ def test_generation_request_round_trips():
     validate(msg, vocab_size=VOCAB)
     assert list(msg.stop_token_ids) == [0, 2]
     assert convert.generation_request_from_proto(msg) == r
+    for logprobs in (0, 5):
+        asking = GenerationRequest(request_id="g", prompt_ids=[1], max_new_tokens=2, logprobs=logprobs)
+        assert convert.generation_request_from_proto(_wire(convert.to_proto(asking))) == asking
 
 
 @pytest.mark.parametrize("reason", [None, "stop", "length", "abort"])
@@ -218,6 +241,10 @@ def test_step_output_round_trips(reason):
     msg = _wire(convert.to_proto(s))
     validate(msg, vocab_size=VOCAB)
     assert convert.step_output_from_proto(msg) == s
+    if s.new_token_ids:
+        lp = TokenLogprobs([-0.25, -1.125], [[4, 1], [5, 4]], [[-0.25, -2.5], [-1.125, -1.5]])
+        with_logprobs = StepOutput(request_id="g", new_token_ids=[4, 5], finish_reason=reason, logprobs=lp)
+        assert convert.step_output_from_proto(_wire(convert.to_proto(with_logprobs))) == with_logprobs
 
 
 def test_empty_and_stats_messages_round_trip():

@@ -64,8 +64,8 @@ def _result(**kw) -> verifier_pb2.VerifyResult:
         num_hidden_positions=[1, 3],
     )
     for name, value in kw.items():
-        if name == "hidden_states":
-            msg.hidden_states.CopyFrom(value)
+        if name in ("hidden_states", "logprobs"):
+            getattr(msg, name).CopyFrom(value)
         elif name == "max_num_draft":
             msg.max_num_draft = value
         else:
@@ -73,6 +73,11 @@ def _result(**kw) -> verifier_pb2.VerifyResult:
             del field[:]
             field.extend(value)
     return msg
+
+
+def _logprobs(n: int = 4, k: int = 2, **kw) -> common_pb2.TokenLogprobs:
+    base = {"logprobs": [-0.5] * n, "k": k, "top_ids": [1, 2] * n if k == 2 else [1] * (n * k), "top_logprobs": [-0.5] * (n * k)}
+    return common_pb2.TokenLogprobs(**(base | kw))
 
 
 def _gen(**kw) -> scheduler_pb2.GenerationRequest:
@@ -107,6 +112,10 @@ VALID = {
     "verify batch dense": _batch(dense=_dense()),
     "verify batch no drafts": verifier_pb2.VerifyBatch(request_ids=["a"], anchor_token_ids=[4], num_draft_tokens=[0]),
     "verify result": _result(),
+    "verify batch with logprobs": _batch(num_logprobs=[-1, 20]),
+    "verify result with logprobs": _result(logprobs=_logprobs(top_ids=[1, 2, -1, -1, 3, 4, 5, 6])),
+    "generation with logprobs": _gen(logprobs=0),
+    "step output with logprobs": scheduler_pb2.StepOutput(request_id="g", new_token_ids=[1], logprobs=_logprobs(1, 0)),
     "sps": verifier_pb2.SPSProfile(batch_sizes=[1, 4, 8], step_seconds=[0.01, 0.02, 0.03]),
     "generation": _gen(),
     "step output": scheduler_pb2.StepOutput(request_id="g", new_token_ids=[1], finish_reason=common_pb2.FINISH_REASON_STOP),
@@ -205,6 +214,17 @@ INVALID = [
     ("generation stop out of vocab", _gen(stop_token_ids=[VOCAB + 3]), "stop_token_ids[0]", "out of range"),
     ("generation without params", scheduler_pb2.GenerationRequest(request_id="g", prompt_ids=[1], max_new_tokens=1), "params", "missing"),
     ("step output unknown reason", scheduler_pb2.StepOutput(request_id="g", finish_reason=7), "finish_reason", "unknown"),
+    ("batch logprobs count", _batch(num_logprobs=[1]), "num_logprobs", "one entry per request (2) or none"),
+    ("batch logprobs too many", _batch(num_logprobs=[0, 21]), "num_logprobs[1]", "[0, 20]"),
+    ("batch logprobs below none", _batch(num_logprobs=[-2, 0]), "num_logprobs[0]", "or -1"),
+    ("result logprobs count", _result(logprobs=_logprobs(3)), "logprobs.logprobs", "one entry per token (4)"),
+    ("result logprobs alternatives", _result(logprobs=_logprobs(top_ids=[1, 2])), "logprobs.top_ids", "num_tokens * k = 8"),
+    ("result logprobs k", _result(logprobs=_logprobs(k=21)), "logprobs.k", "[0, 20]"),
+    ("result logprobs id out of vocab", _result(logprobs=_logprobs(top_ids=[1, VOCAB, 1, 1, 1, 1, 1, 1])), "logprobs.top_ids[1]",
+     "out of range"),
+    ("generation logprobs", _gen(logprobs=21), "logprobs", "[0, 20]"),
+    ("step output logprobs count", scheduler_pb2.StepOutput(request_id="g", new_token_ids=[1, 2], logprobs=_logprobs(1, 0)),
+     "logprobs.logprobs", "one entry per token (2)"),
     ("drafter info without name", drafter_pb2.DrafterInfo(vocab_size=VOCAB), "name", "non-empty"),
     ("drafter info without vocab", drafter_pb2.DrafterInfo(name="ngram"), "vocab_size", ">= 1"),
     ("drafter info reads no layers", drafter_pb2.DrafterInfo(name="d", vocab_size=VOCAB, needs_hidden_states=True, hidden_size=8),

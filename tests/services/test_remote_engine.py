@@ -76,6 +76,30 @@ def test_greedy_output_with_the_ngram_drafter_and_with_no_drafter_is_plain_decod
             assert sum(s.accepted_tokens for s in states) > 0
 
 
+def test_logprobs_over_the_services_are_the_in_process_engines_bit_for_bit(serve, tiny_runtime):
+    """The verifier service computes them beside the rejection sampler and sends fp32 on the wire."""
+
+    def logprobs_of(engine):
+        asking = [GenerationRequest(f"lp{i}", p, 16, GREEDY, logprobs=k) for i, (p, k) in enumerate(zip(PROMPTS, [3, None, 0]))]
+        got = {r.request_id: [] for r in asking}
+        for r in asking:
+            engine.add_request(r)
+        while engine.has_unfinished:
+            for out in engine.step():
+                got[out.request_id].append((out.new_token_ids, out.logprobs))
+        return got
+
+    local = logprobs_of(SpeculativeEngine(tiny_runtime, NgramDrafter(), num_speculative_tokens=4))
+    remote_engine_ = remote_engine(serve, tiny_runtime, NgramDrafter())
+    remote = logprobs_of(remote_engine_)
+    flat = lambda steps: ([t for ids, _ in steps for t in ids], [x for _, lp in steps if lp is not None for x in lp.logprobs])  # noqa: E731
+    for rid in local:
+        assert flat(remote[rid]) == flat(local[rid])
+    assert all(lp is None for _, lp in remote["lp1"]) and len(flat(remote["lp0"])[1]) == 16
+    assert [ids for _, lp in remote["lp0"] for ids in lp.top_ids] == [ids for _, lp in local["lp0"] for ids in lp.top_ids]
+    assert remote_engine_.counters.emitted_in_decode_rounds > remote_engine_.counters.decode_request_rounds  # drafts accepted
+
+
 SEEDED = [SamplingParams(temperature=1.0, seed=101), SamplingParams(temperature=0.8, top_k=50, seed=-7),
           SamplingParams(temperature=1.0, top_p=0.9, seed=2**40)]
 

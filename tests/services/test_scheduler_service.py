@@ -82,6 +82,21 @@ def test_submit_streams_the_tokens_of_plain_decoding_round_by_round(stack):
     assert runtime.kv.reserved_tokens == 0
 
 
+def test_submit_streams_the_logprobs_a_request_asks_for_with_its_tokens(stack):
+    runtime, _, stub = stack
+    engine = SpeculativeEngine(runtime, None)
+    engine.add_request(GenerationRequest("plain", PROMPTS[1], 12, SamplingParams(temperature=0.0), logprobs=2))
+    expected = []
+    while engine.has_unfinished:
+        for out in engine.step():
+            expected += out.logprobs.logprobs
+    request = scheduler_pb2.GenerationRequest(request_id="lp", prompt_ids=PROMPTS[1], max_new_tokens=12, params=GREEDY, logprobs=2)
+    outputs = list(stub.Submit(request, timeout=120))
+    assert all(len(o.logprobs.logprobs) == len(o.new_token_ids) and o.logprobs.k == 2 for o in outputs if o.new_token_ids)
+    assert [x for o in outputs for x in o.logprobs.logprobs] == expected  # fp32 on the wire: the same numbers
+    assert len(expected) == 12 and len(outputs) < 12  # speculation: rounds emitted several tokens
+
+
 def test_concurrent_requests_beyond_the_kv_budget_queue_and_all_complete(stack):
     runtime, _, stub = stack
     expected = [plain(runtime, p, 40) for p in PROMPTS]

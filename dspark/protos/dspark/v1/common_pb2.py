@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"3\n\nSparseRows\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\".\n\tDenseRows\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06sparse\x18\x02 \x01(\x0b\x32\x15.dspark.v1.SparseRowsH\x00\x12%\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x14.dspark.v1.DenseRowsH\x00\x12\x13\n\x0b\x63onfidences\x18\x04 \x03(\x02\x12\x0c\n\x04\x66ree\x18\x05 \x01(\x08\x42\x06\n\x04rows*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64spark/v1/common.proto\x12\tdspark.v1\"F\n\x06Tensor\x12\x1f\n\x05\x64type\x18\x01 \x01(\x0e\x32\x10.dspark.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"_\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"3\n\nSparseRows\x12\t\n\x01k\x18\x01 \x01(\x05\x12\x0b\n\x03ids\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\".\n\tDenseRows\x12\x12\n\nvocab_size\x18\x01 \x01(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x9d\x01\n\rDraftProposal\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\'\n\x06sparse\x18\x02 \x01(\x0b\x32\x15.dspark.v1.SparseRowsH\x00\x12%\n\x05\x64\x65nse\x18\x03 \x01(\x0b\x32\x14.dspark.v1.DenseRowsH\x00\x12\x13\n\x0b\x63onfidences\x18\x04 \x03(\x02\x12\x0c\n\x04\x66ree\x18\x05 \x01(\x08\x42\x06\n\x04rows\"S\n\rTokenLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\t\n\x01k\x18\x02 \x01(\x05\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=467
-  _globals['_DTYPE']._serialized_end=555
-  _globals['_FINISHREASON']._serialized_start=557
-  _globals['_FINISHREASON']._serialized_end=677
+  _globals['_DTYPE']._serialized_start=552
+  _globals['_DTYPE']._serialized_end=640
+  _globals['_FINISHREASON']._serialized_start=642
+  _globals['_FINISHREASON']._serialized_end=762
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=107
   _globals['_SAMPLINGPARAMS']._serialized_start=109
@@ -45,4 +45,6 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DENSEROWS']._serialized_end=305
   _globals['_DRAFTPROPOSAL']._serialized_start=308
   _globals['_DRAFTPROPOSAL']._serialized_end=465
+  _globals['_TOKENLOGPROBS']._serialized_start=467
+  _globals['_TOKENLOGPROBS']._serialized_end=550
 # @@protoc_insertion_point(module_scope)

@@ -82,3 +82,15 @@ class DraftProposal(_message.Message):
     confidences: _containers.RepeatedScalarFieldContainer[float]
     free: bool
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[SparseRows, _Mapping]] = ..., dense: _Optional[_Union[DenseRows, _Mapping]] = ..., confidences: _Optional[_Iterable[float]] = ..., free: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("logprobs", "k", "top_ids", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    k: int
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., k: _Optional[int] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.protos.dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64spark/v1/scheduler.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\x96\x01\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\"g\n\nStepOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x04\x12\x12\n\nnum_rounds\x18\x04 \x01(\x04\x12$\n\x1cgeneration_tokens_per_second\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x14\n\x0cnum_drafters\x18\x07 \x01(\x05\x12\x15\n\rnum_verifiers\x18\x08 \x01(\x05\x32\xc8\x01\n\tScheduler\x12?\n\x06Submit\x12\x1c.dspark.v1.GenerationRequest\x1a\x15.dspark.v1.StepOutput0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dspark.v1.CancelRequest\x1a\x19.dspark.v1.CancelResponse\x12;\n\x05Stats\x12\x17.dspark.v1.StatsRequest\x1a\x19.dspark.v1.SchedulerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x64spark/v1/scheduler.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"\xba\x01\n\x11GenerationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12)\n\x06params\x18\x04 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x0b\n\t_logprobs\"\x93\x01\n\nStepOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x17.dspark.v1.FinishReason\x12*\n\x08logprobs\x18\x04 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xd5\x01\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x14\n\x0cnum_finished\x18\x03 \x01(\x04\x12\x12\n\nnum_rounds\x18\x04 \x01(\x04\x12$\n\x1cgeneration_tokens_per_second\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x14\n\x0cnum_drafters\x18\x07 \x01(\x05\x12\x15\n\rnum_verifiers\x18\x08 \x01(\x05\x32\xc8\x01\n\tScheduler\x12?\n\x06Submit\x12\x1c.dspark.v1.GenerationRequest\x1a\x15.dspark.v1.StepOutput0\x01\x12=\n\x06\x43\x61ncel\x12\x18.dspark.v1.CancelRequest\x1a\x19.dspark.v1.CancelResponse\x12;\n\x05Stats\x12\x17.dspark.v1.StatsRequest\x1a\x19.dspark.v1.SchedulerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,17 +33,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark.v1.scheduler_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATIONREQUEST']._serialized_start=65
-  _globals['_GENERATIONREQUEST']._serialized_end=215
-  _globals['_STEPOUTPUT']._serialized_start=217
-  _globals['_STEPOUTPUT']._serialized_end=320
-  _globals['_CANCELREQUEST']._serialized_start=322
-  _globals['_CANCELREQUEST']._serialized_end=357
-  _globals['_CANCELRESPONSE']._serialized_start=359
-  _globals['_CANCELRESPONSE']._serialized_end=394
-  _globals['_STATSREQUEST']._serialized_start=396
-  _globals['_STATSREQUEST']._serialized_end=410
-  _globals['_SCHEDULERSTATS']._serialized_start=413
-  _globals['_SCHEDULERSTATS']._serialized_end=626
-  _globals['_SCHEDULER']._serialized_start=629
-  _globals['_SCHEDULER']._serialized_end=829
+  _globals['_GENERATIONREQUEST']._serialized_end=251
+  _globals['_STEPOUTPUT']._serialized_start=254
+  _globals['_STEPOUTPUT']._serialized_end=401
+  _globals['_CANCELREQUEST']._serialized_start=403
+  _globals['_CANCELREQUEST']._serialized_end=438
+  _globals['_CANCELRESPONSE']._serialized_start=440
+  _globals['_CANCELRESPONSE']._serialized_end=475
+  _globals['_STATSREQUEST']._serialized_start=477
+  _globals['_STATSREQUEST']._serialized_end=491
+  _globals['_SCHEDULERSTATS']._serialized_start=494
+  _globals['_SCHEDULERSTATS']._serialized_end=707
+  _globals['_SCHEDULER']._serialized_start=710
+  _globals['_SCHEDULER']._serialized_end=910
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark.protos.dspark.v1 import common_pb2 as dspark_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"~\n\x12VerifierAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x15\n\rnum_kv_tokens\x18\x04 \x01(\x05\"-\n\x13VerifierAddResponse\x12\x16\n\x0e\x66ree_kv_tokens\x18\x01 \x01(\x03\",\n\x15VerifierRemoveRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"E\n\x16VerifierRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\x02 \x01(\x03\"\xff\x01\n\x0bVerifyBatch\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x18\n\x10\x61nchor_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\x12\'\n\x06sparse\x18\x06 \x01(\x0b\x32\x15.dspark.v1.SparseRowsH\x00\x12%\n\x05\x64\x65nse\x18\x07 \x01(\x0b\x32\x14.dspark.v1.DenseRowsH\x00\x12\x1d\n\x15\x63\x61pture_hidden_states\x18\x08 \x01(\x08\x42\r\n\x0b\x64raft_probs\"\xc5\x01\n\x0cVerifyResult\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x03(\x05\x12\x19\n\x11\x65mitted_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_num_draft\x18\x05 \x01(\x05\x12(\n\rhidden_states\x18\x06 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x1c\n\x14num_hidden_positions\x18\x07 \x03(\x05\"\x16\n\x14GetSPSProfileRequest\"7\n\nSPSProfile\x12\x13\n\x0b\x62\x61tch_sizes\x18\x01 \x03(\x05\x12\x14\n\x0cstep_seconds\x18\x02 \x03(\x01\"\x18\n\x16GetVerifierInfoRequest\"\xc0\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x16\n\x0e\x63\x61pture_layers\x18\x04 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x18\n\x10kv_budget_tokens\x18\x06 \x01(\x03\x12\x16\n\x0e\x66ree_kv_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fsampler_backend\x18\x08 \x01(\t2\xf8\x02\n\x08Verifier\x12K\n\nAddRequest\x12\x1d.dspark.v1.VerifierAddRequest\x1a\x1e.dspark.v1.VerifierAddResponse\x12T\n\rRemoveRequest\x12 .dspark.v1.VerifierRemoveRequest\x1a!.dspark.v1.VerifierRemoveResponse\x12\x39\n\x06Verify\x12\x16.dspark.v1.VerifyBatch\x1a\x17.dspark.v1.VerifyResult\x12G\n\rGetSPSProfile\x12\x1f.dspark.v1.GetSPSProfileRequest\x1a\x15.dspark.v1.SPSProfile\x12\x45\n\x07GetInfo\x12!.dspark.v1.GetVerifierInfoRequest\x1a\x17.dspark.v1.VerifierInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64spark/v1/verifier.proto\x12\tdspark.v1\x1a\x16\x64spark/v1/common.proto\"~\n\x12VerifierAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12\x15\n\rnum_kv_tokens\x18\x04 \x01(\x05\"-\n\x13VerifierAddResponse\x12\x16\n\x0e\x66ree_kv_tokens\x18\x01 \x01(\x03\",\n\x15VerifierRemoveRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"E\n\x16VerifierRemoveResponse\x12\x13\n\x0bnum_removed\x18\x01 \x01(\x05\x12\x16\n\x0e\x66ree_kv_tokens\x18\x02 \x01(\x03\"\x95\x02\n\x0bVerifyBatch\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x18\n\x10\x61nchor_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x03(\x05\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\x12\'\n\x06sparse\x18\x06 \x01(\x0b\x32\x15.dspark.v1.SparseRowsH\x00\x12%\n\x05\x64\x65nse\x18\x07 \x01(\x0b\x32\x14.dspark.v1.DenseRowsH\x00\x12\x1d\n\x15\x63\x61pture_hidden_states\x18\x08 \x01(\x08\x12\x14\n\x0cnum_logprobs\x18\t \x03(\x05\x42\r\n\x0b\x64raft_probs\"\xf1\x01\n\x0cVerifyResult\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\x14\n\x0cnum_accepted\x18\x03 \x03(\x05\x12\x19\n\x11\x65mitted_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_num_draft\x18\x05 \x01(\x05\x12(\n\rhidden_states\x18\x06 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x1c\n\x14num_hidden_positions\x18\x07 \x03(\x05\x12*\n\x08logprobs\x18\x08 \x01(\x0b\x32\x18.dspark.v1.TokenLogprobs\"\x16\n\x14GetSPSProfileRequest\"7\n\nSPSProfile\x12\x13\n\x0b\x62\x61tch_sizes\x18\x01 \x03(\x05\x12\x14\n\x0cstep_seconds\x18\x02 \x03(\x01\"\x18\n\x16GetVerifierInfoRequest\"\xc0\x01\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x16\n\x0e\x63\x61pture_layers\x18\x04 \x03(\x05\x12\x13\n\x0bhidden_size\x18\x05 \x01(\x05\x12\x18\n\x10kv_budget_tokens\x18\x06 \x01(\x03\x12\x16\n\x0e\x66ree_kv_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fsampler_backend\x18\x08 \x01(\t2\xf8\x02\n\x08Verifier\x12K\n\nAddRequest\x12\x1d.dspark.v1.VerifierAddRequest\x1a\x1e.dspark.v1.VerifierAddResponse\x12T\n\rRemoveRequest\x12 .dspark.v1.VerifierRemoveRequest\x1a!.dspark.v1.VerifierRemoveResponse\x12\x39\n\x06Verify\x12\x16.dspark.v1.VerifyBatch\x1a\x17.dspark.v1.VerifyResult\x12G\n\rGetSPSProfile\x12\x1f.dspark.v1.GetSPSProfileRequest\x1a\x15.dspark.v1.SPSProfile\x12\x45\n\x07GetInfo\x12!.dspark.v1.GetVerifierInfoRequest\x1a\x17.dspark.v1.VerifierInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,17 +41,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERREMOVERESPONSE']._serialized_start=284
   _globals['_VERIFIERREMOVERESPONSE']._serialized_end=353
   _globals['_VERIFYBATCH']._serialized_start=356
-  _globals['_VERIFYBATCH']._serialized_end=611
-  _globals['_VERIFYRESULT']._serialized_start=614
-  _globals['_VERIFYRESULT']._serialized_end=811
-  _globals['_GETSPSPROFILEREQUEST']._serialized_start=813
-  _globals['_GETSPSPROFILEREQUEST']._serialized_end=835
-  _globals['_SPSPROFILE']._serialized_start=837
-  _globals['_SPSPROFILE']._serialized_end=892
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=894
-  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=918
-  _globals['_VERIFIERINFO']._serialized_start=921
-  _globals['_VERIFIERINFO']._serialized_end=1113
-  _globals['_VERIFIER']._serialized_start=1116
-  _globals['_VERIFIER']._serialized_end=1492
+  _globals['_VERIFYBATCH']._serialized_end=633
+  _globals['_VERIFYRESULT']._serialized_start=636
+  _globals['_VERIFYRESULT']._serialized_end=877
+  _globals['_GETSPSPROFILEREQUEST']._serialized_start=879
+  _globals['_GETSPSPROFILEREQUEST']._serialized_end=901
+  _globals['_SPSPROFILE']._serialized_start=903
+  _globals['_SPSPROFILE']._serialized_end=958
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_start=960
+  _globals['_GETVERIFIERINFOREQUEST']._serialized_end=984
+  _globals['_VERIFIERINFO']._serialized_start=987
+  _globals['_VERIFIERINFO']._serialized_end=1179
+  _globals['_VERIFIER']._serialized_start=1182
+  _globals['_VERIFIER']._serialized_end=1558
 # @@protoc_insertion_point(module_scope)

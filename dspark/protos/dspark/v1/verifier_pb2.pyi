@@ -40,7 +40,7 @@ class VerifierRemoveResponse(_message.Message):
     def __init__(self, num_removed: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
-    __slots__ = ("round_id", "request_ids", "anchor_token_ids", "num_draft_tokens", "draft_token_ids", "sparse", "dense", "capture_hidden_states")
+    __slots__ = ("round_id", "request_ids", "anchor_token_ids", "num_draft_tokens", "draft_token_ids", "sparse", "dense", "capture_hidden_states", "num_logprobs")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     ANCHOR_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class VerifyBatch(_message.Message):
     SPARSE_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     anchor_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -57,10 +58,11 @@ class VerifyBatch(_message.Message):
     sparse: _common_pb2.SparseRows
     dense: _common_pb2.DenseRows
     capture_hidden_states: bool
-    def __init__(self, round_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., anchor_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[_common_pb2.SparseRows, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.DenseRows, _Mapping]] = ..., capture_hidden_states: _Optional[bool] = ...) -> None: ...
+    num_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., anchor_token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., sparse: _Optional[_Union[_common_pb2.SparseRows, _Mapping]] = ..., dense: _Optional[_Union[_common_pb2.DenseRows, _Mapping]] = ..., capture_hidden_states: _Optional[bool] = ..., num_logprobs: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResult(_message.Message):
-    __slots__ = ("round_id", "request_ids", "num_accepted", "emitted_token_ids", "max_num_draft", "hidden_states", "num_hidden_positions")
+    __slots__ = ("round_id", "request_ids", "num_accepted", "emitted_token_ids", "max_num_draft", "hidden_states", "num_hidden_positions", "logprobs")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class VerifyResult(_message.Message):
     MAX_NUM_DRAFT_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     NUM_HIDDEN_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     num_accepted: _containers.RepeatedScalarFieldContainer[int]
@@ -75,7 +78,8 @@ class VerifyResult(_message.Message):
     max_num_draft: int
     hidden_states: _common_pb2.Tensor
     num_hidden_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., emitted_token_ids: _Optional[_Iterable[int]] = ..., max_num_draft: _Optional[int] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_hidden_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _common_pb2.TokenLogprobs
+    def __init__(self, round_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., emitted_token_ids: _Optional[_Iterable[int]] = ..., max_num_draft: _Optional[int] = ..., hidden_states: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_hidden_positions: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[_common_pb2.TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class GetSPSProfileRequest(_message.Message):
     __slots__ = ()
