@@ -63,13 +63,18 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                     help="the rejection sampler's implementation")
 
 
-def cmd_generate(args) -> int:
+def _resolved_config(args) -> ServingConfig | None:
+    """The command's configuration (command_config), or None after printing why it is invalid."""
     try:
-        config = command_config(args)
+        return command_config(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return run_generate(config, args)
+        return None
+
+
+def cmd_generate(args) -> int:
+    config = _resolved_config(args)
+    return 2 if config is None else run_generate(config, args)
 
 
 def run_generate(config: ServingConfig, args: argparse.Namespace) -> int:
@@ -144,12 +149,8 @@ def run_generate(config: ServingConfig, args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args) -> int:
-    try:
-        config = command_config(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return run_profile(config, args)
+    config = _resolved_config(args)
+    return 2 if config is None else run_profile(config, args)
 
 
 def run_profile(config: ServingConfig, args: argparse.Namespace) -> int:
