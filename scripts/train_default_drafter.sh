@@ -15,7 +15,7 @@
 # sequences cached), DRAFT_VOCAB, STEPS, BATCH_SEQS, ANCHORS, LR, INIT (a checkpoint, or "none").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${STEPS:-1000}  # before the recipe, which would set its own default
+STEPS=${STEPS:-3000}  # the shipped drafter: 3,000 steps (docs/results/training.md); set before the recipe, which has its own default
 source scripts/drafter_recipe.sh
 RUN=${1:-runs/default-drafter}
 GREEDY_DATA=${GREEDY_DATA:-../shared/data/regenerated}
