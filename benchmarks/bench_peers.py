@@ -107,10 +107,15 @@ def main() -> int:
                     help="our speculative rows on the DSpark checkpoint: dspark, dspark-lookup (comma-separated)")
     ap.add_argument("--policy", default="dspark", help="DSpark row: none | fixed:K | threshold:C | dspark | dspark-async | all")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
+    ap.add_argument("--weights", default="auto", choices=["auto", "compact", "dense"],
+                    help="our linear layers' weights (auto: compact exact blocks where the checkpoint has them)")
+    ap.add_argument("--dense-baseline", action="store_true",
+                    help="also run our plain decoding on dense weights (--dtype), beside the --weights rows")
     ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes, comma-separated (float32 is its default)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (full softmax, seeded per prompt)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--gguf", default=None, help="llama.cpp peer: a GGUF of the same weights (default: scripts/make_gguf.sh's bf16 file)")
+    ap.add_argument("--gguf", default=None, help="llama.cpp peer: GGUFs of the same weights, comma-separated "
+                    "(default: scripts/make_gguf.sh's bf16 file; `package` = the default model's own Q4_1 file)")
     ap.add_argument("--llama-threads", type=int, default=torch.get_num_threads(), help="llama.cpp threads (default: torch's)")
     ap.add_argument("--skip-llama", action="store_true")
     ap.add_argument("--csv", default=None, help="also write the table here")
@@ -132,11 +137,15 @@ def main() -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, capture_layers=capture))
+    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights=args.weights, capture_layers=capture))
+    print(f"ours: linear layers {runtime.linear_numerics}", file=sys.stderr)
     tokenizer = Tokenizer(runtime.model_dir)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}])
                   for b in benchmarks for p in load_prompts(b, args.prompts)]
     engines = {"ours none": SpeculativeEngine(runtime, None)}
+    if args.dense_baseline:
+        dense = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights="dense"))
+        engines[f"ours none, dense {dense.linear_numerics}"] = SpeculativeEngine(dense, None)
     if drafter_path:
         for name in drafters:
             engines[f"ours {name} γ={args.gamma} {args.policy}"] = dspark_engine(runtime, str(drafter_path), gamma=args.gamma,
@@ -154,12 +163,17 @@ def main() -> int:
             hf[f"transformers prompt lookup {name} ({args.gamma})"] = (model, {"prompt_lookup_num_tokens": args.gamma})
     llama = {}
     if not args.skip_llama:
-        gguf = Path(args.gguf) if args.gguf else default_gguf_path(runtime.model_dir)
-        llm, why_not = load_llama_cpp(gguf, threads=args.llama_threads)
-        if llm is None:
-            print(f"note: the llama.cpp row is left out: {why_not}", file=sys.stderr)
-        else:
-            llama[f"llama.cpp {gguf.stem.rsplit('-', 1)[-1]} ({args.llama_threads} threads)"] = llm
+        from dspark.model.model_store import default_gguf_path as package_gguf_path
+
+        for name in (args.gguf.split(",") if args.gguf else [""]):
+            gguf = (package_gguf_path() if name.strip() == "package" else Path(name.strip()) if name.strip()
+                    else default_gguf_path(runtime.model_dir))
+            llm, why_not = load_llama_cpp(gguf, threads=args.llama_threads)
+            if llm is None:
+                print(f"note: the llama.cpp row of {gguf.name} is left out: {why_not}", file=sys.stderr)
+            else:
+                label = gguf.stem.rsplit("-", 1)[-1].rsplit(".", 1)[-1].lower()  # ...-bf16 -> bf16, ....Q4_1 -> q4_1
+                llama[f"llama.cpp {label} ({args.llama_threads} threads)"] = llm
     for engine in engines.values():
         run_engine(engine, prompt_ids[:1], 8, None)  # warm-up
     for llm in llama.values():

@@ -68,12 +68,16 @@ class ModelSection:
 
     name: str = DEFAULT_MODEL_NAME  # the default model's name, or a local HF Llama/Qwen directory
     dtype: str = "auto"  # compute dtype of the linear layers: auto (bf16 where the hardware has it) | bfloat16 | float32
+    weights: str = "auto"  # linear weights: compact (exact, the checkpoint's block format, fp32 compute) | dense | auto (compact where exact)
     kv_budget_mb: int = 4096  # memory for all requests' KV caches (verifier)
     max_model_len: int = 0  # context window; 0 = the model's max_position_embeddings
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name must be the default model's name or a model directory, got ''")
         _check(self.dtype in ("auto", "bfloat16", "float32"), f"model.dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
+        _check(self.weights in ("auto", "compact", "dense"), f"model.weights must be 'auto', 'compact' or 'dense', got {self.weights!r}")
+        _check(not (self.weights == "compact" and self.dtype == "bfloat16"),
+               "model.weights 'compact' computes in float32: it cannot go with model.dtype 'bfloat16'")
         _check(self.kv_budget_mb > 0, f"model.kv_budget_mb must be > 0, got {self.kv_budget_mb}")
         _check(self.max_model_len >= 0, f"model.max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
 

@@ -60,6 +60,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "--model", key="model.name", help="default model name or a local HF Llama/Qwen directory")
     add_config_flag(p, "--dtype", key="model.dtype", choices=["auto", "bfloat16", "float32"],
                     help="compute dtype of the linear layers (auto: bf16 where the hardware has it)")
+    add_config_flag(p, "--weights", key="model.weights", choices=["auto", "compact", "dense"],
+                    help="linear weights: compact (exact, the checkpoint's block format), dense, auto = compact where exact")
 
 
 def _add_drafter(p: argparse.ArgumentParser) -> None:

@@ -67,13 +67,46 @@ def random_hf_state_dict(config: ModelConfig, *, seed: int, embed_std: float = E
     return sd
 
 
+def q4_1_exact(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (K % 32 == 0) rounded to GGUF's Q4_1 grid, as a GGUF file's dequantised weights are:
+    per block of 32, w_j = d * q_j + m with fp16 d, m and q_j in 0..15 (compact_weights.py)."""
+    blocks = w.float().reshape(-1, 32)
+    m = blocks.min(dim=1, keepdim=True).values.half().float()
+    d = ((blocks.max(dim=1, keepdim=True).values - m) / 15).half().float().clamp_min(2**-14)
+    q = torch.round((blocks - m) / d).clamp(0, 15)
+    q[:, 0], q[:, 1] = 0, 15  # the extremes present, as in a real file's blocks
+    return (d * q + m).reshape(w.shape)
+
+
+def q8_0_exact(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] rounded to GGUF's Q8_0 grid: per block of 32, w_j = d * q_j, fp16 d, q_j in -127..127."""
+    blocks = w.float().reshape(-1, 32)
+    d = (blocks.abs().max(dim=1, keepdim=True).values / 127).half().float().clamp_min(2**-14)
+    q = torch.round(blocks / d).clamp(-127, 127)
+    q[:, 0] = 127
+    return (d * q).reshape(w.shape)
+
+
+def compact_exact_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` with every linear weight on the Q4_1 grid and the embedding on Q8_0's: a checkpoint
+    like the default model's, whose weights compact exactly (Transformer.use_compact_weights)."""
+    out = dict(sd)
+    for name, t in sd.items():
+        if t.dim() == 2:
+            out[name] = q8_0_exact(t) if name in ("model.embed_tokens.weight", "lm_head.weight") else q4_1_exact(t)
+    return out
+
+
 def build_transformer(
-    config: ModelConfig, sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.bfloat16
+    config: ModelConfig, sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.bfloat16,
+    compact: bool = False,
 ) -> Transformer:
     """Our model with `sd` loaded, ready for inference (as Transformer.from_dir leaves it)."""
     model = Transformer(config, compute_dtype=compute_dtype)
     model.load_hf_state_dict(sd)
     model.eval().requires_grad_(False)
+    if compact:
+        assert model.use_compact_weights(), "compact=True needs fp32 weights on a block grid (compact_exact_state_dict)"
     model.prepare_for_inference()
     return model
 
@@ -86,11 +119,16 @@ def make_tiny_runtime(
     kv_budget_tokens: int = 1 << 16,
     capture_layers: tuple[int, ...] | None = None,
     max_model_len: int | None = None,
+    compact: bool = False,
     **config_overrides,
 ) -> TargetRuntime:
-    """A TargetRuntime around a seeded random `ModelConfig.tiny(**config_overrides)`."""
+    """A TargetRuntime around a seeded random `ModelConfig.tiny(**config_overrides)`; compact:
+    its weights rounded to the Q4_1 / Q8_0 grids and held compact (fp32 compute)."""
     config = ModelConfig.tiny(**config_overrides)
-    model = build_transformer(config, random_hf_state_dict(config, seed=seed, embed_std=embed_std), compute_dtype=compute_dtype)
+    sd = random_hf_state_dict(config, seed=seed, embed_std=embed_std)
+    if compact:
+        sd, compute_dtype = compact_exact_state_dict(sd), torch.float32
+    model = build_transformer(config, sd, compute_dtype=compute_dtype, compact=compact)
     return TargetRuntime(model, kv_budget_tokens=kv_budget_tokens, capture_layers=capture_layers, max_model_len=max_model_len)
 
 
@@ -134,23 +172,24 @@ def real_model_dir():
 
 @pytest.fixture(scope="session")
 def load_real_runtime(real_model_dir):
-    """`load(dtype)` -> the default model's TargetRuntime, loaded once per dtype per session.
+    """`load(dtype, weights)` -> the default model's TargetRuntime, loaded once per pair per session.
 
     Callers must free every request they add: the runtime is shared by all slow tests.
     """
-    cache: dict[str, TargetRuntime] = {}
+    cache: dict[tuple[str, str], TargetRuntime] = {}
 
-    def load(dtype: str = "auto") -> TargetRuntime:
-        if dtype not in cache:
-            cache[dtype] = TargetRuntime.load(TargetConfig(model=str(real_model_dir), dtype=dtype))
-        return cache[dtype]
+    def load(dtype: str = "auto", weights: str = "auto") -> TargetRuntime:
+        if (dtype, weights) not in cache:
+            cache[dtype, weights] = TargetRuntime.load(TargetConfig(model=str(real_model_dir), dtype=dtype, weights=weights))
+        return cache[dtype, weights]
 
     return load
 
 
 @pytest.fixture(scope="session")
 def real_runtime(load_real_runtime) -> TargetRuntime:
-    """The default model as served: dtype "auto" (bf16 linear layers where the CPU has native bf16, else fp32)."""
+    """The default model as served: dtype and weights "auto" (compact exact fp32 weights: the
+    default model's come from a GGUF file)."""
     return load_real_runtime("auto")
 
 

@@ -33,6 +33,7 @@ LAYERS = ("file", "env", "flag")
 # Keys whose values are checked against a set: a distinct valid value per layer.
 CHOICES = {
     "model.dtype": ("bfloat16", "float32", "auto"),
+    "model.weights": ("dense", "compact", "auto"),  # valid beside each layer's dtype (compact computes in fp32)
     "verifier.sampler_backend": ("torch", "triton", "auto"),
     "observability.otlp_protocol": ("grpc", "http/protobuf", ""),
     "drafter.name": ("ngram", "dspark", "dflash"),

@@ -13,6 +13,10 @@ is elementwise or a per-row reduction over one token, so three small C++ kernels
   silu_mul      gate/up GEMM output (bf16) -> bf16(silu(gate) * up), written chunk by chunk in
                 the K-chunks of the down projection (each a contiguous [num_tokens, chunk]).
 
+The GEMM inputs and outputs these kernels read and write are in the linear layers' dtype: bf16
+for dense bf16 weights, fp32 for compact ones (compact_weights.py; their silu * up is never
+rounded). A flag per call says which; the arithmetic in between is fp32 either way.
+
 Batch invariance (greedy speculative == plain decoding): each token's row is computed by the
 same fixed sequence of 16-lane vector operations (the attention kernel's style: a row's tail is
 a zero-padded vector, never a scalar epilogue; sums of squares in 16 lanes + a fixed tree), so
@@ -67,6 +71,16 @@ inline void store_bf16(uint16_t* p, v16 x, int64_t n = W) {
 
 
 
+// an activation tensor that is bf16 or fp32 (the GEMM outputs/inputs of the compute dtype):
+// element `offset` on; the branch is the same for a whole call, so it costs nothing measurable
+inline v16 load_act(const void* p, int64_t offset, int bf16, int64_t n = W) {
+  return bf16 ? load_bf16(static_cast<const uint16_t*>(p) + offset, n) : load(static_cast<const float*>(p) + offset, n);
+}
+inline void store_act(void* p, int64_t offset, v16 x, int bf16, int64_t n = W) {
+  if (bf16) store_bf16(static_cast<uint16_t*>(p) + offset, x, n);
+  else store(static_cast<float*>(p) + offset, x, n);
+}
+
 // below ~64K elements waking the second thread costs more than the work
 inline int threads_for(int64_t elements, int threads) { return elements < (1 << 16) ? 1 : threads; }
 
@@ -75,10 +89,10 @@ inline int threads_for(int64_t elements, int threads) { return elements < (1 << 
 extern "C" {
 
 // x: [n, d] fp32 residual rows (stride x_stride), updated in place: x += ((a_0 + a_1) + ...)
-// with the addends bf16 [n, d] (row stride a_strides[j]); then out = x * rsqrt(mean(x^2) + eps) * w,
-// bf16 or fp32 [n, d] contiguous.
+// with the addends [n, d] bf16 or fp32 (addends_bf16; row stride a_strides[j]); then
+// out = x * rsqrt(mean(x^2) + eps) * w, bf16 or fp32 [n, d] contiguous.
 void dspark_add_rms_norm(float* x, int64_t x_stride, int64_t n, int64_t d,
-                         int64_t num_addends, const int64_t* addends, const int64_t* a_strides,
+                         int64_t num_addends, const int64_t* addends, const int64_t* a_strides, int addends_bf16,
                          const float* w, float eps, void* out, int out_bf16, int threads) {
   const int64_t chunks = (d + W - 1) / W;
 #pragma omp parallel for num_threads(threads_for(n * d, threads)) schedule(static)
@@ -89,9 +103,9 @@ void dspark_add_rms_norm(float* x, int64_t x_stride, int64_t n, int64_t d,
       const int64_t m = c + 1 < chunks ? W : d - c * W;
       v16 v = load(xr + c * W, m);
       if (num_addends > 0) {
-        v16 s = load_bf16(reinterpret_cast<const uint16_t*>(addends[0]) + t * a_strides[0] + c * W, m);
+        v16 s = load_act(reinterpret_cast<const void*>(addends[0]), t * a_strides[0] + c * W, addends_bf16, m);
         for (int64_t j = 1; j < num_addends; ++j)
-          s = s + load_bf16(reinterpret_cast<const uint16_t*>(addends[j]) + t * a_strides[j] + c * W, m);
+          s = s + load_act(reinterpret_cast<const void*>(addends[j]), t * a_strides[j] + c * W, addends_bf16, m);
         v = v + s;
         store(xr + c * W, v, m);
       }
@@ -101,63 +115,62 @@ void dspark_add_rms_norm(float* x, int64_t x_stride, int64_t n, int64_t d,
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m = c + 1 < chunks ? W : d - c * W;
       const v16 y = (load(xr + c * W, m) * r) * load(w + c * W, m);
-      if (out_bf16) store_bf16(static_cast<uint16_t*>(out) + t * d + c * W, y, m);
-      else store(static_cast<float*>(out) + t * d + c * W, y, m);
+      store_act(out, t * d + c * W, y, out_bf16, m);
     }
   }
 }
 
-// qkv: [n, (heads + 2 kv_heads) * hd] bf16 (row stride qkv_stride), q heads then k then v;
+// qkv: [n, (heads + 2 kv_heads) * hd] bf16 or fp32 (qkv_bf16; row stride qkv_stride), q heads then k then v;
 // cos, sin: [n, hd / 2] fp32. Writes q [n, heads, hd], k [n, kv_heads, hd] (both rotated,
 // rotate-half layout: out_j = x_j cos_j - x_{j+h} sin_j, out_{j+h} = x_{j+h} cos_j + x_j sin_j)
 // and v [n, kv_heads, hd], all fp32 contiguous.
-void dspark_rope_split(const uint16_t* qkv, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,
+void dspark_rope_split(const void* qkv, int qkv_bf16, int64_t qkv_stride, int64_t n, int64_t heads, int64_t kv_heads,
                        int64_t hd, const float* cos, const float* sin, float* q, float* k, float* v, int threads) {
   const int64_t half = hd / 2, chunks = (half + W - 1) / W;
 #pragma omp parallel for num_threads(threads_for(n * (heads + 2 * kv_heads) * hd, threads)) schedule(static)
   for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* row = qkv + t * qkv_stride;
+    const int64_t row = t * qkv_stride;
     for (int64_t h = 0; h < heads + kv_heads; ++h) {
-      const uint16_t* src = row + h * hd;
+      const int64_t src = row + h * hd;
       float* dst = h < heads ? q + (t * heads + h) * hd : k + (t * kv_heads + h - heads) * hd;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t m = c + 1 < chunks ? W : half - c * W;
-        const v16 x1 = load_bf16(src + c * W, m), x2 = load_bf16(src + half + c * W, m);
+        const v16 x1 = load_act(qkv, src + c * W, qkv_bf16, m), x2 = load_act(qkv, src + half + c * W, qkv_bf16, m);
         const v16 cs = load(cos + t * half + c * W, m), sn = load(sin + t * half + c * W, m);
         store(dst + c * W, x1 * cs - x2 * sn, m);
         store(dst + half + c * W, x2 * cs + x1 * sn, m);
       }
     }
-    const uint16_t* src = row + (heads + kv_heads) * hd;
+    const int64_t src = row + (heads + kv_heads) * hd;
     float* dst = v + t * kv_heads * hd;
     const int64_t vd = kv_heads * hd, vchunks = (vd + W - 1) / W;
     for (int64_t c = 0; c < vchunks; ++c) {
       const int64_t m = c + 1 < vchunks ? W : vd - c * W;
-      store(dst + c * W, load_bf16(src + c * W, m), m);
+      store(dst + c * W, load_act(qkv, src + c * W, qkv_bf16, m), m);
     }
   }
 }
 
-// gu: [n, 2 * inter] bf16 (row stride gu_stride), gate then up. out: bf16(silu(gate) * up) laid
+// gu: [n, 2 * inter] bf16 or fp32 (bf16; row stride gu_stride), gate then up. out: silu(gate) * up
+// in the same dtype (bf16: rounded once), laid
 // out chunk-major for a split down projection: the columns [bounds[c], bounds[c+1]) of all n
 // rows form a contiguous [n, bounds[c+1] - bounds[c]] block starting at out + n * bounds[c].
-void dspark_silu_mul(const uint16_t* gu, int64_t gu_stride, int64_t n, int64_t inter,
-                     int64_t num_chunks, const int64_t* bounds, uint16_t* out, int threads) {
+void dspark_silu_mul(const void* gu, int bf16, int64_t gu_stride, int64_t n, int64_t inter,
+                     int64_t num_chunks, const int64_t* bounds, void* out, int threads) {
 #pragma omp parallel for num_threads(threads_for(n * inter, threads)) schedule(static)
   for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* g = gu + t * gu_stride;
-    const uint16_t* u = g + inter;
+    const int64_t g = t * gu_stride, u = g + inter;
     for (int64_t b = 0; b < num_chunks; ++b) {
       const int64_t lo = bounds[b], len = bounds[b + 1] - lo, chunks = (len + W - 1) / W;
-      uint16_t* dst = out + n * lo + t * len;
+      const int64_t dst = n * lo + t * len;
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t m = c + 1 < chunks ? W : len - c * W;
-        const v16 x = load_bf16(g + lo + c * W, m), up = load_bf16(u + lo + c * W, m);
+        const v16 x = load_act(gu, g + lo + c * W, bf16, m), up = load_act(gu, u + lo + c * W, bf16, m);
         // sigmoid without overflow: e = exp(-|x|) <= 1; 1 / (1 + e) for x >= 0, e / (1 + e) below
         const v16 ax = x < 0.0f ? -x : x;
         const v16 e = exp_nonpos(-ax);
         const v16 sig = (x >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
-        store_bf16(dst + c * W, (x * sig) * up, m);
+        store_act(out, dst + c * W, (x * sig) * up, bf16, m);
       }
     }
   }
@@ -165,6 +178,8 @@ void dspark_silu_mul(const uint16_t* gu, int64_t gu_stride, int64_t n, int64_t i
 
 }  // extern "C"
 """
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)  # GEMM inputs/outputs: bf16 dense weights, fp32 compact ones
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
@@ -182,9 +197,9 @@ def load() -> ctypes.CDLL | None:
         warnings.warn(_error, RuntimeWarning, stacklevel=2)
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.dspark_add_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ctypes.c_float, ptr, i32, i32]
-    lib.dspark_rope_split.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
-    lib.dspark_silu_mul.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32]
+    lib.dspark_add_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, ptr, ctypes.c_float, ptr, i32, i32]
+    lib.dspark_rope_split.argtypes = [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
+    lib.dspark_silu_mul.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
     for f in (lib.dspark_add_rms_norm, lib.dspark_rope_split, lib.dspark_silu_mul):
         f.restype = None
     _lib = lib
@@ -197,23 +212,26 @@ def available() -> bool:
 
 def add_rms_norm(
     x: torch.Tensor,  # [n, d] fp32, last dim contiguous; updated in place when there are addends
-    addends: list[torch.Tensor],  # each [n, d] bf16, last dim contiguous (GEMM outputs, summed in order)
+    addends: list[torch.Tensor],  # each [n, d] bf16 or fp32 (all one dtype), last dim contiguous (GEMM outputs, summed in order)
     weight: torch.Tensor,  # [d] fp32
     eps: float,
     out: torch.Tensor,  # [n, d] bf16 or fp32, contiguous
 ) -> torch.Tensor:
     n, d = x.shape
     assert x.dtype == torch.float32 and x.stride(1) == 1 and out.is_contiguous() and out.shape == x.shape
-    assert all(a.dtype == torch.bfloat16 and a.shape == x.shape and a.stride(1) == 1 for a in addends)
+    addend_dtype = addends[0].dtype if addends else torch.bfloat16
+    assert addend_dtype in ACTIVATION_DTYPES and out.dtype in ACTIVATION_DTYPES
+    assert all(a.dtype == addend_dtype and a.shape == x.shape and a.stride(1) == 1 for a in addends)
     ptrs = (ctypes.c_int64 * max(1, len(addends)))(*[a.data_ptr() for a in addends])
     strides = (ctypes.c_int64 * max(1, len(addends)))(*[a.stride(0) for a in addends])
-    load().dspark_add_rms_norm(x.data_ptr(), x.stride(0), n, d, len(addends), ptrs, strides, weight.data_ptr(), eps,
-                             out.data_ptr(), int(out.dtype == torch.bfloat16), torch.get_num_threads())
+    load().dspark_add_rms_norm(x.data_ptr(), x.stride(0), n, d, len(addends), ptrs, strides,
+                               int(addend_dtype == torch.bfloat16), weight.data_ptr(), eps,
+                               out.data_ptr(), int(out.dtype == torch.bfloat16), torch.get_num_threads())
     return out
 
 
 def rope_split(
-    qkv: torch.Tensor,  # [n, (heads + 2 kv_heads) * head_dim] bf16, last dim contiguous
+    qkv: torch.Tensor,  # [n, (heads + 2 kv_heads) * head_dim] bf16 or fp32, last dim contiguous
     cos: torch.Tensor,  # [n, head_dim // 2] fp32 contiguous
     sin: torch.Tensor,  # [n, head_dim // 2] fp32 contiguous
     q: torch.Tensor,  # [n, heads, head_dim] fp32 contiguous (written)
@@ -222,20 +240,21 @@ def rope_split(
 ) -> None:
     n, heads, hd = q.shape
     kv_heads = k.shape[1]
-    assert qkv.dtype == torch.bfloat16 and qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * hd
+    assert qkv.dtype in ACTIVATION_DTYPES and qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * hd
     assert cos.is_contiguous() and sin.is_contiguous() and cos.shape == (n, hd // 2) and hd % 2 == 0
     assert all(t.is_contiguous() and t.dtype == torch.float32 for t in (q, k, v))
-    load().dspark_rope_split(qkv.data_ptr(), qkv.stride(0), n, heads, kv_heads, hd, cos.data_ptr(), sin.data_ptr(),
+    load().dspark_rope_split(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), qkv.stride(0), n, heads, kv_heads, hd,
+                             cos.data_ptr(), sin.data_ptr(),
                            q.data_ptr(), k.data_ptr(), v.data_ptr(), torch.get_num_threads())
 
 
 def silu_mul(
-    gate_up: torch.Tensor,  # [n, 2 * inter] bf16, last dim contiguous: gate then up
+    gate_up: torch.Tensor,  # [n, 2 * inter] bf16 or fp32, last dim contiguous: gate then up
     bounds: list[int],  # the down projection's K-chunk bounds, 0 .. inter
-    out: torch.Tensor,  # [n * inter] bf16: chunk c is a contiguous [n, bounds[c+1] - bounds[c]] at n * bounds[c]
+    out: torch.Tensor,  # [n * inter] gate_up's dtype: chunk c is a contiguous [n, bounds[c+1] - bounds[c]] at n * bounds[c]
 ) -> None:
     n, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    assert gate_up.dtype == out.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and out.numel() == n * inter
+    assert gate_up.dtype == out.dtype and out.dtype in ACTIVATION_DTYPES and gate_up.stride(1) == 1 and out.numel() == n * inter
     assert bounds[0] == 0 and bounds[-1] == inter
-    load().dspark_silu_mul(gate_up.data_ptr(), gate_up.stride(0), n, inter, len(bounds) - 1,
+    load().dspark_silu_mul(gate_up.data_ptr(), int(out.dtype == torch.bfloat16), gate_up.stride(0), n, inter, len(bounds) - 1,
                          (ctypes.c_int64 * len(bounds))(*bounds), out.data_ptr(), torch.get_num_threads())

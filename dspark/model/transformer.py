@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.model import attention, fused_ops
+from dspark.model import attention, compact_weights, fused_ops
 from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import RequestKV
 
@@ -169,7 +169,9 @@ class SplitKLinear(nn.Module):
         except (AttributeError, RuntimeError):  # a torch build without oneDNN: plain F.linear
             self.packed = None
 
-    def _matmul(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def partial(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """The product of K-chunk i: x [num_tokens, bounds[i+1] - bounds[i]] contiguous, in
+        `dtype` -> [num_tokens, out_features] in `dtype` (no bias)."""
         packed = getattr(self, "packed", None)
         if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], "")
@@ -182,10 +184,10 @@ class SplitKLinear(nn.Module):
         # inside the add: no separate conversion pass over large activations.
         x = x.to(self.dtype)
         if len(self.weight_chunks) == 1:
-            y = self._matmul(x, 0)
+            y = self.partial(x, 0)
         else:
             y = sum(
-                self._matmul(x[:, lo:hi].contiguous(), i).float()
+                self.partial(x[:, lo:hi].contiguous(), i).float()
                 for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:]))
             )
         return y if self.bias is None else y + self.bias
@@ -291,6 +293,7 @@ class Transformer(nn.Module):
         self.final_norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.compact = False  # linear layers (and the LM head) on compact exact weights: use_compact_weights
         self.set_attention(os.environ.get("DSPARK_ATTENTION", "batched"))
         self.set_fused(os.environ.get("DSPARK_FUSED", "1") != "0")
 
@@ -310,11 +313,14 @@ class Transformer(nn.Module):
         return mode
 
     def fused_supported(self) -> bool:
-        """Whether the fused layer kernels (dspark/model/fused_ops.py) serve this model: bf16
-        linear layers without biases or q/k norms, hidden size <= MAX_REDUCTION (the qkv and
-        gate/up GEMMs in one K-chunk, so their outputs are bf16); the eager path handles the rest."""
+        """Whether the fused layer kernels (dspark/model/fused_ops.py) serve this model: bf16 or
+        compact linear layers without biases or q/k norms, hidden size <= MAX_REDUCTION (the qkv
+        and gate/up GEMMs in one K-chunk, so their outputs are in the layers' dtype); the eager
+        path handles the rest (dense fp32 included: oneDNN's fp32 GEMM output is fp32 too, but
+        that path has not been needed since compact weights)."""
         c = self.config
-        return (self.compute_dtype == torch.bfloat16 and not c.attention_bias and not c.qk_norm
+        dtype_ok = self.compact or self.compute_dtype == torch.bfloat16
+        return (dtype_ok and not c.attention_bias and not c.qk_norm
                 and c.hidden_size <= MAX_REDUCTION and c.head_dim % 2 == 0 and fused_ops.available())
 
     def set_fused(self, on: bool) -> bool:
@@ -323,6 +329,7 @@ class Transformer(nn.Module):
         Both paths are batch-invariant but round differently (RMSNorm's reduction order, one
         bf16 rounding of silu * up instead of two): switch only between generations. Falls back
         to the torch ops where unsupported; returns whether the fused path is in use."""
+        self.fused_requested = bool(on)
         self.fused = bool(on) and self.fused_supported()
         return self.fused
 
@@ -330,14 +337,47 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden] fp32
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
+    @torch.no_grad()
+    def use_compact_weights(self) -> bool:
+        """Hold every linear layer and the LM head in an exact compact block format
+        (dspark/model/compact_weights.py), all or nothing: True when every one of them has a
+        format that reproduces its fp32 weights bit for bit (a model whose weights came from a
+        GGUF file, as the default one), False (nothing changed) otherwise. Needs fp32 linear
+        layers (their weights are the exact values). The dense weights are dropped: the default
+        model then holds ~110 MB of GEMM weights instead of 537 MB (fp32) or 325 MB (bf16
+        layers, fp32 head) and streams 3-5x fewer bytes per step."""
+        if self.compute_dtype != torch.float32 or self.config.attention_bias or not compact_weights.available():
+            return False
+        formats = ("q4_1", "q8_0")  # bf16 blocks: oneDNN's bf16 GEMM reads the same bytes, faster from M = 8
+        found: dict[tuple[int, str], compact_weights.CompactWeight] = {}
+        for i, layer in enumerate(self.layers):
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                linear = getattr(layer, name)
+                cw = compact_weights.compact(torch.cat(list(linear.weight_chunks), dim=1), formats)
+                if cw is None:
+                    return False
+                found[i, name] = cw
+        head = compact_weights.compact(self.lm_head_weight, formats)
+        if head is None:
+            return False
+        for (i, name), cw in found.items():
+            setattr(self.layers[i], name, compact_weights.CompactLinear(cw))
+        self.__dict__["lm_head_packed"] = compact_weights.CompactLinear(head)
+        self.compact = True
+        self.set_fused(self.fused_requested)
+        return True
+
     def prepare_for_inference(self) -> None:
         """Pre-reorder every GEMM weight into oneDNN's blocked layout, the LM head included
         (kept fp32). On this CPU the packed fp32 LM head is also batch-invariant, which MKL's
         sgemm is not, and 4x faster at 8 rows (20.6 -> 4.6 ms)."""
         c = self.config
-        head = SplitKLinear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
-        head.load(self.lm_head_weight.detach())
-        self.__dict__["lm_head_packed"] = head  # not a registered submodule: not saved, not a parameter
+        if self.compact:  # the compact head of use_compact_weights stays
+            head = self.__dict__["lm_head_packed"]
+        else:
+            head = SplitKLinear(c.hidden_size, c.vocab_size, bias=False, dtype=torch.float32)
+            head.load(self.lm_head_weight.detach())
+            self.__dict__["lm_head_packed"] = head  # not a registered submodule: not saved, not a parameter
         for module in [*self.modules(), head]:
             if isinstance(module, SplitKLinear):
                 module.prepack()
@@ -372,34 +412,36 @@ class Transformer(nn.Module):
     def _forward_fused(self, token_ids, positions, meta, capture_layers):
         # The same computation as forward() with the ops between GEMMs fused (fused_ops.py).
         # The residual x is updated in place; h, q, k, v and act are reused by every layer
-        # (each is consumed before the next layer overwrites it).
+        # (each is consumed before the next layer overwrites it). GEMM inputs and outputs are in
+        # the linear layers' dtype: bf16 for dense bf16 weights, fp32 for compact ones.
         c = self.config
         n = token_ids.shape[0]
+        act_dtype = self.layers[0].qkv_proj.dtype
         x = self.embed(token_ids)  # [num_tokens, hidden] fp32, a fresh tensor
         freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, head_dim // 2]
         cos, sin = freqs.cos(), freqs.sin()  # once per forward, shared by all layers
-        h = torch.empty(n, c.hidden_size, dtype=torch.bfloat16)  # [num_tokens, hidden] normed GEMM input
+        h = torch.empty(n, c.hidden_size, dtype=act_dtype)  # [num_tokens, hidden] normed GEMM input
         q = torch.empty(n, c.num_heads, c.head_dim)  # [num_tokens, heads, head_dim] fp32
         k = torch.empty(n, c.num_kv_heads, c.head_dim)  # [num_tokens, kv_heads, head_dim] fp32
         v = torch.empty(n, c.num_kv_heads, c.head_dim)
-        act = torch.empty(n * c.intermediate_size, dtype=torch.bfloat16)  # silu(gate) * up, chunk-major
+        act = torch.empty(n * c.intermediate_size, dtype=act_dtype)  # silu(gate) * up, chunk-major
         eps = c.rms_norm_eps
         layers = self.layers
         fused_ops.add_rms_norm(x, [], layers[0].input_norm, eps, h)
         captured = {}
         for i, layer in enumerate(layers):
-            qkv = layer.qkv_proj._matmul(h, 0)  # [num_tokens, q_size + 2 kv_size] bf16 (K = hidden: one chunk)
+            qkv = layer.qkv_proj.partial(h, 0)  # [num_tokens, q_size + 2 kv_size] (K = hidden: one chunk)
             fused_ops.rope_split(qkv, cos, sin, q, k, v)
             attn = layer._attend(q, k, v, i, meta)  # [num_tokens, q_size] fp32
             o_proj = layer.o_proj
-            attn = attn.to(torch.bfloat16)
-            o = [o_proj._matmul(attn[:, lo:hi].contiguous() if len(o_proj.weight_chunks) > 1 else attn, j)
-                 for j, (lo, hi) in enumerate(zip(o_proj.bounds, o_proj.bounds[1:]))]  # K-chunk partials, bf16
+            attn = attn.to(act_dtype)
+            o = [o_proj.partial(attn[:, lo:hi].contiguous() if len(o_proj.bounds) > 2 else attn, j)
+                 for j, (lo, hi) in enumerate(zip(o_proj.bounds, o_proj.bounds[1:]))]  # K-chunk partials
             fused_ops.add_rms_norm(x, o, layer.post_attn_norm, eps, h)  # x += o; h = norm(x)
-            gate_up = layer.gate_up_proj._matmul(h, 0)  # [num_tokens, 2 intermediate] bf16
+            gate_up = layer.gate_up_proj.partial(h, 0)  # [num_tokens, 2 intermediate]
             down = layer.down_proj
             fused_ops.silu_mul(gate_up, down.bounds, act)
-            parts = [down._matmul(act[n * lo : n * hi].view(n, hi - lo), j)  # [num_tokens, hidden] bf16 each
+            parts = [down.partial(act[n * lo : n * hi].view(n, hi - lo), j)  # [num_tokens, hidden] each
                      for j, (lo, hi) in enumerate(zip(down.bounds, down.bounds[1:]))]
             last = i + 1 == len(layers)
             out = torch.empty(n, c.hidden_size) if last else h  # the final norm's output stays fp32
@@ -449,7 +491,10 @@ class Transformer(nn.Module):
                 layer.k_norm.copy_(take(p + "self_attn.k_norm.weight"))
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16) -> "Transformer":
+    def from_dir(cls, model_dir: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16,
+                 compact: bool = False) -> "Transformer":
+        """compact: with fp32 compute, hold the weights compact where every layer has an exact
+        format (use_compact_weights; `model.compact` says whether it happened)."""
         from safetensors.torch import load_file
 
         model_dir = Path(model_dir)
@@ -461,6 +506,9 @@ class Transformer(nn.Module):
             sd.update(load_file(f))
         model = cls(ModelConfig.from_dir(model_dir), compute_dtype=compute_dtype)
         model.load_hf_state_dict(sd)
+        del sd
         model.eval().requires_grad_(False)
+        if compact:
+            model.use_compact_weights()
         model.prepare_for_inference()
         return model

@@ -129,7 +129,7 @@ def build_local_verifier(config: ServingConfig) -> LocalVerifier:
     m, d, v = config.model, config.drafter, config.verifier
     resolve_sampler_backend(v.sampler_backend, "cpu")  # the runtime keeps the target on the CPU: refuse triton before loading it
     capture = drafter_capture_layers(d.name, d.path or None)  # the layers the drafter reads, if any
-    runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, kv_budget_mb=m.kv_budget_mb, capture_layers=capture,
+    runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, weights=m.weights, kv_budget_mb=m.kv_budget_mb, capture_layers=capture,
                                               max_model_len=m.max_model_len or None))
     verifier = LocalVerifier(runtime, sampler_backend=v.sampler_backend)
     log.info("warm-up took %.2f s", warm_up(verifier))

@@ -3,9 +3,12 @@ states), capture-layer defaults, and (slow) the real default model against trans
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import TargetConfig, default_capture_layers
 
 # ---- bad input is a ValueError that says what was wrong, and changes nothing ---------------
@@ -265,11 +268,50 @@ def test_auto_dtype_picks_bf16_only_where_the_hardware_multiplies_bf16_natively(
         tr.TargetConfig(dtype="int8")
 
 
+def test_target_config_names_the_weight_formats_and_refuses_compact_with_bf16():
+    from dspark.model.target_runtime import TargetConfig
+
+    with pytest.raises(ValueError, match="weights must be one of"):
+        TargetConfig(weights="int4")
+    with pytest.raises(ValueError, match="compact weights compute in float32"):
+        TargetConfig(dtype="bfloat16", weights="compact")
+
+
+def test_loading_asks_for_compact_weights_only_where_they_are_exact(tmp_path):
+    """weights="compact" on a checkpoint no block format reproduces is an error naming the way
+    out; "auto" quietly keeps dense weights there."""
+    from safetensors.torch import save_file
+
+    from dspark.model.target_runtime import TargetConfig, TargetRuntime
+    from tests.conftest import compact_exact_state_dict, random_hf_state_dict
+
+    config = ModelConfig.tiny()
+    fields = {"model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+              "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+              "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+              "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+              "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": True}
+    sd = random_hf_state_dict(config, seed=0)
+    for name, weights in (("dense-ckpt", sd), ("gguf-like", compact_exact_state_dict(sd))):
+        (tmp_path / name).mkdir()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / name / "model.safetensors"))
+        (tmp_path / name / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ValueError, match="weights='dense'"):
+        TargetRuntime.load(TargetConfig(model=str(tmp_path / "dense-ckpt"), weights="compact", kv_budget_mb=1))
+    assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "dense-ckpt"), dtype="float32", kv_budget_mb=1)).linear_numerics == "float32"
+    assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "gguf-like"), kv_budget_mb=1)).linear_numerics == "compact"
+    assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "gguf-like"), weights="dense", dtype="float32",
+                                           kv_budget_mb=1)).linear_numerics == "float32"
+
+
 @pytest.mark.slow
-def test_default_model_verifying_a_block_of_40_tokens_gives_the_bits_of_decoding_them_one_by_one(real_runtime):
+@pytest.mark.parametrize("weights", ["auto", "dense"])
+def test_default_model_verifying_a_block_of_40_tokens_gives_the_bits_of_decoding_them_one_by_one(load_real_runtime, weights):
     """Past 32 rows oneDNN switched bf16 kernels when weights were packed for batch 8 (rows
     changed in the last bit): a long verify block, or many requests' blocks together, no
-    longer reproduced plain decoding. Also covers the fused layer kernels at real shapes."""
+    longer reproduced plain decoding. Also covers the fused layer kernels at real shapes, on
+    the compact weights the default model is served with and on the dense ones."""
+    real_runtime = load_real_runtime("auto", weights)
     g = torch.Generator().manual_seed(1)
     prompt, block = torch.randint(0, real_runtime.vocab_size, (50,), generator=g), torch.randint(0, real_runtime.vocab_size, (40,), generator=g)
     ids = ["block-step", "block-verify"]

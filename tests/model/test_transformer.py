@@ -174,13 +174,15 @@ def test_a_prepacked_bf16_linear_gives_every_row_the_bits_it_gets_alone_up_to_72
         assert torch.equal(linear(x[:m]), alone[:m]), f"M = {m}"
 
 
-def _stepped_and_verified(fused: bool, compute_dtype: torch.dtype = torch.bfloat16):
-    """A model with a split down projection (intermediate 1100: two K-chunks) and a verify block
-    longer than 32 rows: its hidden states stepping token by token and verifying in one forward."""
+def _stepped_and_verified(fused: bool, compute_dtype: torch.dtype = torch.bfloat16, compact: bool = False):
+    """A model with a split down projection (intermediate 1100: two K-chunks; 1088 for compact
+    weights, which need K % 32 == 0 and split nothing) and a verify block longer than 32 rows: its
+    hidden states stepping token by token and verifying in one forward."""
     from tests.conftest import make_tiny_runtime
 
-    runtime = make_tiny_runtime(intermediate_size=1100, compute_dtype=compute_dtype)
-    assert runtime.model.fused == (compute_dtype == torch.bfloat16)  # the fused kernels are bf16-only
+    runtime = make_tiny_runtime(intermediate_size=1088 if compact else 1100, compute_dtype=compute_dtype, compact=compact)
+    # the fused kernels take bf16 or compact linear layers; dense fp32 runs the torch ops
+    assert runtime.model.fused == (compact or compute_dtype == torch.bfloat16)
     runtime.model.set_fused(fused)
     g = torch.Generator().manual_seed(3)
     prompt, block = torch.randint(0, 256, (9,), generator=g), torch.randint(0, 256, (40,), generator=g)
@@ -221,3 +223,55 @@ def test_an_fp32_model_is_batch_invariant():
     packed fp32 GEMMs) must give the same bits stepping and verifying too."""
     stepped, verified = _stepped_and_verified(False, compute_dtype=torch.float32)
     assert torch.equal(stepped, verified)
+
+
+# ---- compact exact weights (dspark/model/compact_weights.py) --------------------------------
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_compact_model_is_batch_invariant(fused):
+    """Greedy speculative == plain decoding on the compact path: fused kernels and torch ops alike."""
+    from dspark.model import compact_weights
+
+    if not compact_weights.available():
+        pytest.skip("no C++ compiler")
+    stepped, verified = _stepped_and_verified(fused, compact=True)
+    assert torch.equal(stepped, verified)
+
+
+def test_compact_weights_compute_what_the_dense_fp32_model_computes_on_the_same_weights():
+    """Same fp32 weights, read from blocks instead of a dense matrix: only the GEMM's summation
+    order differs, so logits agree to fp32 rounding, and the dense weights are gone."""
+    from dspark.model import compact_weights
+    from tests.conftest import compact_exact_state_dict, make_tiny_runtime
+
+    if not compact_weights.available():
+        pytest.skip("no C++ compiler")
+    compact = make_tiny_runtime(compact=True, seed=5)
+    dense = make_tiny_runtime(compute_dtype=torch.float32, seed=5)
+    dense.model.load_hf_state_dict(compact_exact_state_dict(_tiny_sd(dense.model.config, seed=5)))
+    dense.model.prepare_for_inference()
+    assert compact.linear_numerics == "compact" and dense.linear_numerics == "float32"
+    assert not any(isinstance(m, torch.nn.Parameter) and m.dim() == 2 for m in compact.model.layers.parameters())
+    prompt = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(6))
+    logits = []
+    for runtime in (compact, dense):
+        runtime.add_request("r", 16)
+        logits.append(runtime.forward(["r"], prompt, [12]).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-5, rtol=1e-5)
+
+
+def _tiny_sd(config, seed):
+    from tests.conftest import random_hf_state_dict
+
+    return random_hf_state_dict(config, seed=seed)
+
+
+def test_weights_without_an_exact_block_format_stay_dense():
+    from tests.conftest import make_tiny_runtime
+
+    runtime = make_tiny_runtime(compute_dtype=torch.float32)  # arbitrary fp32 weights
+    assert runtime.model.use_compact_weights() is False
+    assert runtime.model.compact is False and runtime.linear_numerics == "float32"
+    bf16 = make_tiny_runtime()  # compact weights compute in fp32: a bf16 model keeps its layers
+    assert bf16.model.use_compact_weights() is False

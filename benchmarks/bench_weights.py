@@ -1,0 +1,140 @@
+"""The target's forward step by how its linear layers hold their weights, in one run.
+
+    python benchmarks/bench_weights.py [--batches 1 2 4 8 16 32 64] [--repeats 5] [--plot weights.png]
+
+Modes (TargetConfig.weights / dtype): "compact" = the exact fp32 weights in the block format
+they came in (Q4_1 layers, Q8_0 LM head for the default model; dspark/model/compact_weights.py),
+"bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
+CPUs with native bf16), "fp32" = dense fp32 (oneDNN). Each step is one request verifying B query
+tokens over a --context-token prefix, shaped as a verify forward; B = 1 is plain decoding. Modes
+are interleaved repeat by repeat so machine noise hits them alike; each cell is the median.
+Also printed: the bytes of GEMM weights each mode streams per step, and the effective GB/s at B = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from common import print_table
+from dspark.model.target_runtime import TargetConfig, TargetRuntime
+
+MODES = {
+    "compact": TargetConfig(weights="compact"),
+    "bf16": TargetConfig(dtype="bfloat16", weights="dense"),
+    "fp32": TargetConfig(dtype="float32", weights="dense"),
+}
+
+
+def gemm_weight_bytes(runtime: TargetRuntime) -> int:
+    """Bytes of linear-layer weights plus the LM head one step reads (the roofline's numerator)."""
+    from dspark.model.compact_weights import CompactLinear
+    from dspark.model.transformer import SplitKLinear
+
+    model = runtime.model
+    total = 0
+    for module in [*model.modules(), model.__dict__["lm_head_packed"]]:
+        if isinstance(module, CompactLinear):
+            total += module.weight.nbytes
+        elif isinstance(module, SplitKLinear):
+            total += sum(w.numel() * w.element_size() for w in module.weight_chunks)
+    return total
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def step_ms(runtime: TargetRuntime, prefix: torch.Tensor, block: torch.Tensor, steps: int) -> float:
+    """Median ms of a forward of `block` (one request) after `prefix`, KV truncated back each time."""
+    rid = "bench-weights"
+    runtime.add_request(rid, len(prefix) + len(block))
+    try:
+        runtime.forward([rid], prefix, [len(prefix)], logits_indices=torch.empty(0, dtype=torch.long))
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            runtime.forward([rid], block, [len(block)])
+            times.append(time.perf_counter() - t)
+            runtime.truncate(rid, len(prefix))
+        return statistics.median(times) * 1e3
+    finally:
+        runtime.free_request(rid)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--context", type=int, default=200, help="cached tokens before each step")
+    ap.add_argument("--repeats", type=int, default=5, help="rounds over all modes; each cell is the median")
+    ap.add_argument("--steps", type=int, default=7, help="forwards per cell per round")
+    ap.add_argument("--plot", default=None, help="write a PNG of ms/step against B per mode")
+    args = ap.parse_args()
+
+    runtimes = {m: TargetRuntime.load(MODES[m]) for m in args.modes}
+    for m, r in runtimes.items():
+        print(f"{m}: linear layers {r.linear_numerics}, fused kernels {r.model.fused}, "
+              f"{gemm_weight_bytes(r) / 1e6:.0f} MB of GEMM weights per step")
+    g = torch.Generator().manual_seed(0)
+    vocab = next(iter(runtimes.values())).vocab_size
+    prefix = torch.randint(0, vocab, (args.context,), generator=g)
+    blocks = {b: torch.randint(0, vocab, (b,), generator=g) for b in args.batches}
+    cells: dict[tuple[str, int], list[float]] = {}
+    for _ in range(args.repeats):
+        for m, r in runtimes.items():
+            for b in args.batches:
+                cells.setdefault((m, b), []).append(step_ms(r, prefix, blocks[b], args.steps))
+    ms = {k: statistics.median(v) for k, v in cells.items()}
+
+    headers = ["B", *[f"{m} ms" for m in args.modes]]
+    if "compact" in args.modes:
+        headers += [f"{m}/compact" for m in args.modes if m != "compact"]
+    headers += [f"{m} x B=1" for m in args.modes]
+    rows = []
+    for b in args.batches:
+        row = [b, *[ms[m, b] for m in args.modes]]
+        if "compact" in args.modes:
+            row += [ms[m, b] / ms["compact", b] for m in args.modes if m != "compact"]
+        row += [ms[m, b] / ms[m, args.batches[0]] for m in args.modes]
+        rows.append(row)
+    print(f"\n{cpu_name()}, {torch.get_num_threads()} threads, context {args.context}, "
+          f"median of {args.repeats} rounds x {args.steps} steps")
+    print_table(headers, rows)
+    if 1 in args.batches:
+        print("\nat B = 1 (plain decoding): " + ", ".join(
+            f"{m} {1e3 / ms[m, 1]:.1f} forwards/s ({gemm_weight_bytes(runtimes[m]) / ms[m, 1] / 1e6:.1f} GB/s of weights)"
+            for m in args.modes))
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        plt.figure(figsize=(6, 4))
+        for m in args.modes:
+            plt.plot(args.batches, [ms[m, b] for b in args.batches], "o-", label=m)
+        plt.xscale("log", base=2)
+        plt.yscale("log")
+        plt.xlabel("tokens per forward (B)")
+        plt.ylabel("ms per step")
+        plt.legend()
+        plt.title(f"SmolLM2-135M forward by weight format\n{cpu_name()}")
+        plt.tight_layout()
+        plt.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

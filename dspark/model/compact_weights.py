@@ -1,0 +1,387 @@
+"""Exact compact weights: a linear layer's weights held in the smallest block format that
+reproduces them bit for bit, and the GEMM that reads them (fp32 activations, fp32 sums).
+
+At one token per step a CPU forward is the time to stream the weights once (docs/architecture.md
+§8): the default model's 135 M weights are 537 MB in fp32 and 270 MB in bf16, but they came out
+of a GGUF file (Q4_1 layers, a Q8_0 embedding, dspark/model/model_store.py), so every block of 32
+consecutive weights of a row is exactly
+    Q4_1:  w_j = d·q_j + m   (q_j in 0..15, d and m fp16)      0.75 bytes a weight here
+    Q8_0:  w_j = d·q_j       (q_j in -128..127, d fp16)         1.125 bytes a weight here
+    bf16:  w_j = bf16 bits   (any checkpoint stored in bf16)    2 bytes a weight
+`compact()` finds such a representation and keeps it only if decoding it gives back every
+weight exactly (`decode()`), so nothing about the model changes: the same fp32 weights, read
+from 3-5x fewer bytes. A tensor no format reproduces stays dense (None).
+
+The product y = x Wᵀ (fp32 x, fp32 sums) decodes each block of a column in registers into its
+32 exact fp32 weights (the products d·q are exact, q4_1's one addition rounds as compact()
+checked) and accumulates
+    acc = fma(x[m, 32b : 32b+16], w_lo, acc);  acc = fma(x[m, 32b+16 : 32b+32], w_hi, acc)
+block by block in one 16-lane accumulator per output element, then sums the lanes by a fixed
+tree: a dense fp32 dot product of the exact weights in a fixed order (a different order from
+oneDNN's, as any two GEMM kernels differ: logits agree to fp32 rounding). Batch invariance, the
+property greedy speculative decoding rests on: every (m, n) goes through that same sequence
+whatever the number of rows M, the tile it falls in, or the threads (which split whole columns),
+and the compiler may not contract anything else (-ffp-contract=off). Activations stay fp32:
+unlike llama.cpp's quantized dot products, x is never rounded to 8 bits.
+
+Cost: at one row the kernel is bound by decoding (~8 cycles a block of 32 on a Zen 4 core) and
+the stream of 0.75 bytes a weight; from ~8 rows by fp32 FMAs (16 per cycle per core), where
+oneDNN's bf16 GEMM does twice the work per instruction on rounded weights. Measured in
+docs/results/compact_weights.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from dspark.model.attention import VECTOR_PRELUDE, build_library
+
+BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
+FORMATS = ("bf16", "q8_0", "q4_1")  # the kernel's format codes are their indices
+
+
+@dataclass
+class CompactWeight:
+    """W [out_features, in_features] in one block format (module docstring)."""
+
+    format: str  # one of FORMATS
+    out_features: int
+    in_features: int
+    q: torch.Tensor  # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 2] uint8, byte j of a block = q_j | q_{j+16} << 4
+    scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
+    offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1, else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
+
+
+def _fp16_candidates(estimate: torch.Tensor) -> list[torch.Tensor]:
+    # the fp16 nearest the estimate and its neighbours: the scale the file stored is one of them
+    bits = estimate.half().view(torch.int16)
+    return [(bits + delta).view(torch.float16).float() for delta in (0, -1, 1, -2, 2)]
+
+
+def _try_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    # blocks: [num_blocks, 32] fp32 -> q [num_blocks, 32] uint8, d, m [num_blocks] fp32
+    m = blocks.min(dim=1).values  # the smallest weight has q = 0: it is m itself
+    if not torch.equal(m.half().float(), m):
+        return None
+    span = blocks.max(dim=1).values - m
+    q = torch.zeros(blocks.shape, dtype=torch.uint8)
+    d = torch.zeros_like(m)
+    todo = torch.ones(blocks.shape[0], dtype=torch.bool)
+    for top in (15, 14, 13):  # the largest q of a block is 15 unless rounding kept it lower
+        for cand in _fp16_candidates(span / top):
+            idx = todo.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                break
+            b, c, mm = blocks[idx], cand[idx].unsqueeze(1), m[idx].unsqueeze(1)
+            safe = torch.where(c > 0, c, torch.ones_like(c))
+            qi = torch.where(c > 0, torch.round((b - mm) / safe), torch.zeros_like(b)).clamp(0, 15)
+            ok = ((c * qi) + mm == b).all(dim=1) & torch.isfinite(c.squeeze(1))
+            hit = idx[ok]
+            q[hit], d[hit], todo[hit] = qi[ok].to(torch.uint8), c.squeeze(1)[ok], False
+    return None if todo.any() else (q, d, m)
+
+
+def _try_q8_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # blocks: [num_blocks, 32] fp32 -> q [num_blocks, 32] int8, d [num_blocks] fp32
+    amax = blocks.abs().max(dim=1).values
+    q = torch.zeros(blocks.shape, dtype=torch.int8)
+    d = torch.zeros_like(amax)
+    todo = torch.ones(blocks.shape[0], dtype=torch.bool)
+    for top in (127, 128, 126):
+        for cand in _fp16_candidates(amax / top):
+            idx = todo.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                break
+            b, c = blocks[idx], cand[idx].unsqueeze(1)
+            safe = torch.where(c > 0, c, torch.ones_like(c))
+            qi = torch.where(c > 0, torch.round(b / safe), torch.zeros_like(b)).clamp(-128, 127)
+            ok = (c * qi == b).all(dim=1) & torch.isfinite(c.squeeze(1))
+            hit = idx[ok]
+            q[hit], d[hit], todo[hit] = qi[ok].to(torch.int8), c.squeeze(1)[ok], False
+    return None if todo.any() else (q, d)
+
+
+@torch.no_grad()
+def compact(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", "q8_0", "bf16")) -> CompactWeight | None:
+    """The first of `formats` that reproduces `weight` [N, K] (fp32) exactly, or None."""
+    w = weight.detach().float().contiguous()
+    n, k = w.shape
+    if k % BLOCK or not torch.isfinite(w).all():
+        return None
+    blocks = w.view(-1, BLOCK)  # [N * K / 32, 32]
+    for fmt in formats:
+        if fmt == "q4_1" and (found := _try_q4_1(blocks)) is not None:
+            q, d, m = found
+            q = q.view(-1, 2, BLOCK // 2)  # [blocks, halves, 16]: weights j and j + 16 share byte j
+            packed = (q[:, 0] | (q[:, 1] << 4)).view(n, k // 2)
+            cw = CompactWeight("q4_1", n, k, packed.contiguous(), d.view(n, k // BLOCK), m.view(n, k // BLOCK))
+        elif fmt == "q8_0" and (found := _try_q8_0(blocks)) is not None:
+            q, d = found
+            cw = CompactWeight("q8_0", n, k, q.view(n, k).contiguous(), d.view(n, k // BLOCK), None)
+        elif fmt == "bf16" and torch.equal(w.bfloat16().float(), w):
+            cw = CompactWeight("bf16", n, k, w.bfloat16().view(torch.int16).contiguous(), None, None)
+        else:
+            continue
+        if torch.equal(decode(cw), w):  # the contract, checked: not one weight moves
+            return cw
+    return None
+
+
+def decode(cw: CompactWeight) -> torch.Tensor:  # [N, K] fp32, the weights the kernel multiplies by
+    n, k = cw.out_features, cw.in_features
+    if cw.format == "bf16":
+        return cw.q.view(torch.bfloat16).float()
+    if cw.format == "q8_0":
+        return (cw.scale.unsqueeze(2) * cw.q.view(n, k // BLOCK, BLOCK).float()).view(n, k)
+    packed = cw.q.view(n, k // BLOCK, BLOCK // 2)
+    q = torch.cat([packed & 0xF, packed >> 4], dim=2).float()  # [N, K / 32, 32]
+    return (cw.scale.unsqueeze(2) * q + cw.offset.unsqueeze(2)).view(n, k)
+
+
+def reference_matmul(x: torch.Tensor, cw: CompactWeight) -> torch.Tensor:
+    """The plain reference of `matmul`: the decoded weights in a dense fp64 product (close to
+    the kernel, not its bits): x [M, K] fp32 -> [M, N] fp32."""
+    return (x.double() @ decode(cw).double().t()).float()
+
+
+_SOURCE = VECTOR_PRELUDE + r"""
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t B = 32;  // weights per block
+
+// a*b + c with one rounding where the CPU has FMA; otherwise two, the same two everywhere
+inline v16 fmadd(v16 a, v16 b, v16 c) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+  __m256 a0, a1, b0, b1, c0, c1;
+  std::memcpy(&a0, &a, 32); std::memcpy(&a1, reinterpret_cast<char*>(&a) + 32, 32);
+  std::memcpy(&b0, &b, 32); std::memcpy(&b1, reinterpret_cast<char*>(&b) + 32, 32);
+  std::memcpy(&c0, &c, 32); std::memcpy(&c1, reinterpret_cast<char*>(&c) + 32, 32);
+  __m256 r0 = _mm256_fmadd_ps(a0, b0, c0), r1 = _mm256_fmadd_ps(a1, b1, c1);
+  v16 r;
+  std::memcpy(&r, &r0, 32); std::memcpy(reinterpret_cast<char*>(&r) + 32, &r1, 32);
+  return r;
+#else
+  return a * b + c;
+#endif
+}
+
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef int8_t v16sb __attribute__((vector_size(16)));
+
+// 16 bytes -> 16 floats (exact: small integers), unsigned or signed. Written with intrinsics:
+// GCC scalarises the generic int8 -> int32 vector conversion (~60 instructions instead of 2).
+template <bool SIGNED>
+inline v16 bytes_to_v16(const void* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m512i i = SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  return (v16)_mm512_cvtepi32_ps(i);
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  const __m128i b_hi = _mm_srli_si128(b, 8);
+  const __m256 f0 = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m256 f1 = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b_hi) : _mm256_cvtepu8_epi32(b_hi));
+  v16 r;
+  std::memcpy(&r, &f0, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &f1, 32);
+  return r;
+#else
+  if (SIGNED) { v16sb b; std::memcpy(&b, p, sizeof b); return __builtin_convertvector(__builtin_convertvector(b, v16i), v16); }
+  v16b b; std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(__builtin_convertvector(b, v16i), v16);
+#endif
+}
+
+// Block b of column n as its 32 exact fp32 weights (w0: weights 0..15, w1: 16..31). Every
+// product here is exact (an fp16 scale times an integer of at most 8 bits fits fp32's 24-bit
+// mantissa) and q4_1's one addition rounds as compact() checked, so these are the weights
+// themselves, bit for bit, whichever path decodes them.
+template <int FMT>
+inline void decode_block(const void* q, const float* d, const float* mn, int64_t n, int64_t b, int64_t K,
+                         v16& w0, v16& w1) {
+  const int64_t nb = K / B;
+  if (FMT == 0) {  // bf16 bits -> fp32
+    const uint16_t* src = static_cast<const uint16_t*>(q) + n * K + b * B;
+    v16h h0, h1;
+    std::memcpy(&h0, src, sizeof h0);
+    std::memcpy(&h1, src + W, sizeof h1);
+    v16u u0 = __builtin_convertvector(h0, v16u) << 16, u1 = __builtin_convertvector(h1, v16u) << 16;
+    std::memcpy(&w0, &u0, sizeof w0);
+    std::memcpy(&w1, &u1, sizeof w1);
+  } else if (FMT == 1) {  // q8_0: d * int8
+    const int8_t* src = static_cast<const int8_t*>(q) + n * K + b * B;
+    const v16 s = splat(d[n * nb + b]);
+    w0 = bytes_to_v16<true>(src) * s;
+    w1 = bytes_to_v16<true>(src + W) * s;
+  } else {  // q4_1: d * q + m; byte j of a block holds q_j (low nibble) and q_{j+16} (high)
+    const uint8_t* src = static_cast<const uint8_t*>(q) + n * (K / 2) + b * (B / 2);
+    v16b bytes;
+    std::memcpy(&bytes, src, sizeof bytes);
+    const v16b lo = bytes & 0xF, hi = bytes >> 4;
+    const v16 s = splat(d[n * nb + b]), m = splat(mn[n * nb + b]);
+    w0 = bytes_to_v16<false>(&lo) * s + m;
+    w1 = bytes_to_v16<false>(&hi) * s + m;
+  }
+}
+
+// y[r][n0 + c] for R rows and NC consecutive columns, weights decoded in registers. The
+// arithmetic of one (row, column) is fixed: one 16-lane accumulator, acc = fma(x_lo, w_lo, acc),
+// acc = fma(x_hi, w_hi, acc) block by block, then the fixed-tree lane sum. R and NC only decide
+// which (row, column) pairs share a pass over the weights, never what any of them computes.
+template <int FMT, int R, int NC>
+inline void tile(const float* x, int64_t ldx, int64_t K, const void* q, const float* d, const float* mn,
+                 int64_t n0, float* y, int64_t ldy) {
+  v16 acc[R][NC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = v16{};
+  for (int64_t b = 0; b < K / B; ++b) {
+    v16 w0[NC], w1[NC];
+    for (int c = 0; c < NC; ++c) decode_block<FMT>(q, d, mn, n0 + c, b, K, w0[c], w1[c]);
+    for (int r = 0; r < R; ++r) {
+      v16 x0, x1;
+      std::memcpy(&x0, x + r * ldx + b * B, sizeof x0);
+      std::memcpy(&x1, x + r * ldx + b * B + W, sizeof x1);
+      for (int c = 0; c < NC; ++c) acc[r][c] = fmadd(x1, w1[c], fmadd(x0, w0[c], acc[r][c]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < NC; ++c) y[r * ldy + n0 + c] = hsum(acc[r][c]);
+}
+
+// all rows against the columns n0 .. n0 + NC - 1: row tiles of 8 (AVX-512: 32 vector registers
+// hold the 16 accumulators) or 4, then the remainder
+template <int FMT, int NC>
+inline void column_tile(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, const float* d,
+                        const float* mn, int64_t n0, float* y, int64_t ldy) {
+  int64_t r = 0;
+#if defined(__AVX512F__)
+  for (; r + 8 <= M; r += 8) tile<FMT, 8, NC>(x + r * ldx, ldx, K, q, d, mn, n0, y + r * ldy, ldy);
+#endif
+  for (; r + 4 <= M; r += 4) tile<FMT, 4, NC>(x + r * ldx, ldx, K, q, d, mn, n0, y + r * ldy, ldy);
+  const float* xr = x + r * ldx;
+  float* yr = y + r * ldy;
+  switch (M - r) {
+    case 3: tile<FMT, 3, NC>(xr, ldx, K, q, d, mn, n0, yr, ldy); break;
+    case 2: tile<FMT, 2, NC>(xr, ldx, K, q, d, mn, n0, yr, ldy); break;
+    case 1: tile<FMT, 1, NC>(xr, ldx, K, q, d, mn, n0, yr, ldy); break;
+    default: break;
+  }
+}
+
+template <int FMT>
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, const float* d, const float* mn,
+          int64_t N, float* y, int64_t ldy, int threads) {
+  // one row: four columns share a pass (four independent FMA chains hide the FMA latency);
+  // more rows: two columns, so a 4-row tile's 8 accumulators and its weights stay in registers
+  const int64_t nc = M == 1 ? 4 : 2;
+  const int64_t tiles = N / nc, tail = N - tiles * nc;
+  const int use = (M * N * K < (1 << 18)) ? 1 : threads;
+#pragma omp parallel for num_threads(use) schedule(static)
+  for (int64_t t = 0; t < tiles + tail; ++t) {
+    if (t < tiles) {
+      if (nc == 4) column_tile<FMT, 4>(x, ldx, M, K, q, d, mn, t * 4, y, ldy);
+      else column_tile<FMT, 2>(x, ldx, M, K, q, d, mn, t * 2, y, ldy);
+    } else {
+      column_tile<FMT, 1>(x, ldx, M, K, q, d, mn, tiles * nc + (t - tiles), y, ldy);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx, fp32) · Wᵀ, W in `format`
+// (0 bf16, 1 q8_0, 2 q4_1; compact_weights.py): q as described there, d and mn [N, K / 32]
+// fp32 (mn only for q4_1). K % 32 == 0. Threads split the columns.
+void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int format, const void* q,
+                         const float* d, const float* mn, int64_t N, float* y, int64_t ldy, int threads) {
+  if (format == 0) gemm<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 1) gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else gemm<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+}
+
+}  // extern "C"
+"""
+
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel (built on first use, about a second), or None where that fails."""
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    # -ffp-contract=off is part of the kernel's contract (module docstring): FMAs only where written
+    lib, error = build_library("#pragma GCC optimize(\"fp-contract=off\")\n" + _SOURCE, "compact_gemm")
+    if lib is None:
+        _error = f"compact-weight GEMM unavailable ({error}); weights stay dense"
+        warnings.warn(_error, RuntimeWarning, stacklevel=2)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.dspark_compact_gemm.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int]
+    lib.dspark_compact_gemm.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def matmul(x: torch.Tensor, cw: CompactWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32 (last dim contiguous) -> x Wᵀ [M, N] fp32, through the kernel."""
+    m, k = x.shape
+    if k != cw.in_features or x.dtype != torch.float32 or x.stride(1) != 1:
+        raise ValueError(f"x must be fp32 [M, {cw.in_features}] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty(m, cw.out_features)
+    assert out.dtype == torch.float32 and out.shape == (m, cw.out_features) and out.stride(1) == 1
+    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+    load().dspark_compact_gemm(x.data_ptr(), x.stride(0), m, k, FORMATS.index(cw.format), cw.q.data_ptr(),
+                               ptr(cw.scale), ptr(cw.offset), cw.out_features, out.data_ptr(), out.stride(0),
+                               torch.get_num_threads())
+    return out
+
+
+class CompactLinear(torch.nn.Module):
+    """y = x Wᵀ with W held compact (fp32 in, fp32 out), batch-invariant for any number of rows.
+
+    The same contract as transformer.SplitKLinear, which the transformer's fused path reads:
+    `dtype` (of the inputs it takes), `bounds` (its K-chunks: one, the kernel is batch-invariant
+    at any K, so nothing is split) and `partial(x, j)` (chunk j's product)."""
+
+    def __init__(self, weight: CompactWeight):
+        super().__init__()
+        self.weight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bounds = [0, weight.in_features]
+
+    dtype = torch.float32
+
+    def partial(self, x: torch.Tensor, j: int = 0) -> torch.Tensor:
+        # x: [num_tokens, in_features] fp32 -> [num_tokens, out_features] fp32
+        assert j == 0
+        return matmul(x, self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [num_tokens, in_features] -> [num_tokens, out_features] fp32
+        return matmul(x.float().contiguous(), self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, format={self.weight.format}"
