@@ -89,7 +89,8 @@ def cmd_generate(args) -> int:
         prompts = [p for p in prompts if p.split == args.split]
     if args.limit is not None:
         prompts = prompts[: args.limit]
-    runtime = TargetRuntime.load(TargetConfig(model=args.model, dtype=args.dtype, kv_budget_mb=args.kv_budget_mb))
+    runtime = TargetRuntime.load(TargetConfig(model=args.model, dtype=args.dtype, weights=args.weights,
+                                              kv_budget_mb=args.kv_budget_mb))
     tokenizer = Tokenizer(runtime.model_dir)
     try:
         stats = regenerate(runtime, tokenizer, prompts, data_dir / RESPONSES_FILE, config=config, target=args.model,
@@ -120,6 +121,10 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--data-dir", required=True)
     g.add_argument("--model", default=DEFAULT_MODEL, help="default model name or a local HF Llama/Qwen directory")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    # batched regeneration runs 32-64 rows a forward, where bf16 GEMMs do twice the work per
+    # instruction of compact weights' exact fp32 ones (docs/results/compact_weights.md)
+    g.add_argument("--weights", default="dense", choices=["auto", "compact", "dense"],
+                   help="the target's linear weights (dense: fastest at batch 32+; compact: exact fp32, fastest at 1-8 rows)")
     g.add_argument("--kv-budget-mb", type=int, default=4096)
     g.add_argument("--batch-size", type=int, default=32)
     g.add_argument("--max-new-tokens", type=int, default=256)

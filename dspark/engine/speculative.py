@@ -707,5 +707,6 @@ class SpeculativeEngine:
             states.append(self.running[r.request_id])
         while self.has_unfinished:
             self.step()
-            time.sleep(self.stalled_for_s())  # 0 unless every request waits for the verifier
+            if (stalled := self.stalled_for_s()) > 0:  # only while every request waits for the verifier
+                time.sleep(stalled)
         return states

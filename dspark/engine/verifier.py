@@ -221,7 +221,8 @@ class LocalVerifier:
         try:
             # Greedy requests consume no randomness; None keeps their seeded streams untouched.
             generators = [None if s.params.is_greedy else s.generator for s in states]
-            uniforms, exp_noise = draw_rejection_randoms(batch.num_draft_tokens, self.vocab_size, generators)
+            uniforms, exp_noise = draw_rejection_randoms(batch.num_draft_tokens, self.vocab_size, generators,
+                                                         greedy=[s.params.is_greedy for s in states])
             result = rejection_sample(RejectionBatch(
                 draft_token_ids=batch.draft_token_ids,
                 num_draft_tokens=batch.num_draft_tokens,

@@ -51,13 +51,27 @@ class CompactWeight:
     format: str  # one of FORMATS
     out_features: int
     in_features: int
-    q: torch.Tensor  # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 2] uint8, byte j of a block = q_j | q_{j+16} << 4
+    q: torch.Tensor  # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1)
     scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
     offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1, else None
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
+
+
+# Q4_1 nibbles, laid out for the kernel's decode: a block's 32 four-bit values in 4 32-bit words,
+# weight j < 16 in word j % 4 at bit 4 (j // 4), weight 16 + j at bit 16 + 4 (j // 4). The kernel
+# repeats the 4 words across 16 lanes and shifts lane i by _Q4_1_SHIFT[i] (one variable shift
+# and one mask give 16 weights), instead of widening bytes with cross-lane shuffles.
+_Q4_1_SHIFT = 4 * (torch.arange(16) // 4)  # [16]: 0,0,0,0, 4,4,4,4, 8,8,8,8, 12,12,12,12
+
+
+def _pack_q4_1(q: torch.Tensor) -> torch.Tensor:  # q [blocks, 32] in 0..15 -> [blocks * 4] int32
+    q = q.long()
+    bits = (q[:, :16] << _Q4_1_SHIFT) | (q[:, 16:] << (_Q4_1_SHIFT + 16))  # [blocks, 16], disjoint bits
+    words = bits.view(-1, 4, 4).sum(dim=1)  # [blocks, 4]: lane j goes to word j % 4
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).reshape(-1)
 
 
 def _fp16_candidates(estimate: torch.Tensor) -> list[torch.Tensor]:
@@ -120,9 +134,7 @@ def compact(weight: torch.Tensor, formats: tuple[str, ...] = ("q4_1", "q8_0", "b
     for fmt in formats:
         if fmt == "q4_1" and (found := _try_q4_1(blocks)) is not None:
             q, d, m = found
-            q = q.view(-1, 2, BLOCK // 2)  # [blocks, halves, 16]: weights j and j + 16 share byte j
-            packed = (q[:, 0] | (q[:, 1] << 4)).view(n, k // 2)
-            cw = CompactWeight("q4_1", n, k, packed.contiguous(), d.view(n, k // BLOCK), m.view(n, k // BLOCK))
+            cw = CompactWeight("q4_1", n, k, _pack_q4_1(q).view(n, k // 8), d.view(n, k // BLOCK), m.view(n, k // BLOCK))
         elif fmt == "q8_0" and (found := _try_q8_0(blocks)) is not None:
             q, d = found
             cw = CompactWeight("q8_0", n, k, q.view(n, k).contiguous(), d.view(n, k // BLOCK), None)
@@ -141,8 +153,10 @@ def decode(cw: CompactWeight) -> torch.Tensor:  # [N, K] fp32, the weights the k
         return cw.q.view(torch.bfloat16).float()
     if cw.format == "q8_0":
         return (cw.scale.unsqueeze(2) * cw.q.view(n, k // BLOCK, BLOCK).float()).view(n, k)
-    packed = cw.q.view(n, k // BLOCK, BLOCK // 2)
-    q = torch.cat([packed & 0xF, packed >> 4], dim=2).float()  # [N, K / 32, 32]
+    words = cw.q.view(n, k // BLOCK, 4).long() & 0xFFFFFFFF  # [N, K / 32, 4] the 4 words of each block
+    lane = torch.arange(BLOCK // 2)
+    shift = _Q4_1_SHIFT  # [16]
+    q = torch.cat([(words[..., lane % 4] >> shift) & 0xF, (words[..., lane % 4] >> (shift + 16)) & 0xF], dim=2).float()
     return (cw.scale.unsqueeze(2) * q + cw.offset.unsqueeze(2)).view(n, k)
 
 
@@ -181,6 +195,7 @@ inline v16 fmadd(v16 a, v16 b, v16 c) {
 
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int8_t v16sb __attribute__((vector_size(16)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
 
 // 16 bytes -> 16 floats (exact: small integers), unsigned or signed. Written with intrinsics:
 // GCC scalarises the generic int8 -> int32 vector conversion (~60 instructions instead of 2).
@@ -206,6 +221,34 @@ inline v16 bytes_to_v16(const void* p) {
 #endif
 }
 
+// the prelude's hsum (the same fixed tree) on registers: its memcpy of halves makes the argument
+// addressable, which keeps a kernel's accumulators on the stack for the whole loop
+inline float lane_sum(v16 x) {
+  const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// x in every lane (one broadcast load; the prelude's splat adds 0.0, an extra scalar op)
+inline v16 bcast(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+
+// 4 words (16 bytes) repeated over 16 lanes: one broadcast load (a generic shuffle of a 4-lane
+// vector compiles to a store and a wider reload here, a stall per block)
+inline v16u repeat_words(const uint32_t* p) {
+#if defined(__AVX512F__)
+  const __m512i r = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__AVX2__)
+  const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256i r[2] = {h, h};
+#else
+  uint32_t r[16];
+  for (int i = 0; i < 16; ++i) r[i] = p[i % 4];
+#endif
+  v16u out;
+  std::memcpy(&out, &r, sizeof out);
+  return out;
+}
+
 // Block b of column n as its 32 exact fp32 weights (w0: weights 0..15, w1: 16..31). Every
 // product here is exact (an fp16 scale times an integer of at most 8 bits fits fp32's 24-bit
 // mantissa) and q4_1's one addition rounds as compact() checked, so these are the weights
@@ -224,17 +267,18 @@ inline void decode_block(const void* q, const float* d, const float* mn, int64_t
     std::memcpy(&w1, &u1, sizeof w1);
   } else if (FMT == 1) {  // q8_0: d * int8
     const int8_t* src = static_cast<const int8_t*>(q) + n * K + b * B;
-    const v16 s = splat(d[n * nb + b]);
+    const v16 s = bcast(d[n * nb + b]);
     w0 = bytes_to_v16<true>(src) * s;
     w1 = bytes_to_v16<true>(src + W) * s;
-  } else {  // q4_1: d * q + m; byte j of a block holds q_j (low nibble) and q_{j+16} (high)
-    const uint8_t* src = static_cast<const uint8_t*>(q) + n * (K / 2) + b * (B / 2);
-    v16b bytes;
-    std::memcpy(&bytes, src, sizeof bytes);
-    const v16b lo = bytes & 0xF, hi = bytes >> 4;
-    const v16 s = splat(d[n * nb + b]), m = splat(mn[n * nb + b]);
-    w0 = bytes_to_v16<false>(&lo) * s + m;
-    w1 = bytes_to_v16<false>(&hi) * s + m;
+  } else {  // q4_1: d * q + m, the nibbles in 4 words a block (_pack_q4_1): 4 words repeated
+    // over 16 lanes, lane i shifted by 4 (i / 4) for weights 0..15 and 16 more for 16..31
+    const v16u all = repeat_words(static_cast<const uint32_t*>(q) + n * (K / 8) + b * 4);
+    const v16u shift = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
+    const v16i lo = (v16i)((all >> shift) & 0xFu), hi = (v16i)((all >> (shift + 16u)) & 0xFu);
+    const v16 s = bcast(d[n * nb + b]), m = bcast(mn[n * nb + b]);
+    // d·q is exact, so one fused multiply-add rounds exactly as d·q + m does
+    w0 = fmadd(__builtin_convertvector(lo, v16), s, m);
+    w1 = fmadd(__builtin_convertvector(hi, v16), s, m);
   }
 }
 
@@ -245,21 +289,50 @@ inline void decode_block(const void* q, const float* d, const float* mn, int64_t
 template <int FMT, int R, int NC>
 inline void tile(const float* x, int64_t ldx, int64_t K, const void* q, const float* d, const float* mn,
                  int64_t n0, float* y, int64_t ldy) {
-  v16 acc[R][NC];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) acc[r][c] = v16{};
+  v16 acc[R * NC];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * NC; ++i) acc[i] = v16{};
   for (int64_t b = 0; b < K / B; ++b) {
     v16 w0[NC], w1[NC];
+#pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) decode_block<FMT>(q, d, mn, n0 + c, b, K, w0[c], w1[c]);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       v16 x0, x1;
       std::memcpy(&x0, x + r * ldx + b * B, sizeof x0);
       std::memcpy(&x1, x + r * ldx + b * B + W, sizeof x1);
-      for (int c = 0; c < NC; ++c) acc[r][c] = fmadd(x1, w1[c], fmadd(x0, w0[c], acc[r][c]));
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[r * NC + c] = fmadd(x1, w1[c], fmadd(x0, w0[c], acc[r * NC + c]));
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < NC; ++c) y[r * ldy + n0 + c] = hsum(acc[r][c]);
+    for (int c = 0; c < NC; ++c) y[r * ldy + n0 + c] = lane_sum(acc[r * NC + c]);
+}
+
+// tile<FMT, 1, 4> with its four accumulators as named variables: GCC keeps an array of vector
+// accumulators on the stack through the loop (a store and reload per block); this is the one
+// row of plain decoding, where that costs most. The arithmetic is tile's, step for step.
+template <int FMT>
+inline void row_times_4_columns(const float* x, int64_t K, const void* q, const float* d, const float* mn,
+                                int64_t n0, float* y) {
+  v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t b = 0; b < K / B; ++b) {
+    v16 x0, x1, w0, w1;
+    std::memcpy(&x0, x + b * B, sizeof x0);
+    std::memcpy(&x1, x + b * B + W, sizeof x1);
+    decode_block<FMT>(q, d, mn, n0, b, K, w0, w1);
+    a0 = fmadd(x1, w1, fmadd(x0, w0, a0));
+    decode_block<FMT>(q, d, mn, n0 + 1, b, K, w0, w1);
+    a1 = fmadd(x1, w1, fmadd(x0, w0, a1));
+    decode_block<FMT>(q, d, mn, n0 + 2, b, K, w0, w1);
+    a2 = fmadd(x1, w1, fmadd(x0, w0, a2));
+    decode_block<FMT>(q, d, mn, n0 + 3, b, K, w0, w1);
+    a3 = fmadd(x1, w1, fmadd(x0, w0, a3));
+  }
+  y[n0] = lane_sum(a0);
+  y[n0 + 1] = lane_sum(a1);
+  y[n0 + 2] = lane_sum(a2);
+  y[n0 + 3] = lane_sum(a3);
 }
 
 // all rows against the columns n0 .. n0 + NC - 1: row tiles of 8 (AVX-512: 32 vector registers
@@ -293,7 +366,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
 #pragma omp parallel for num_threads(use) schedule(static)
   for (int64_t t = 0; t < tiles + tail; ++t) {
     if (t < tiles) {
-      if (nc == 4) column_tile<FMT, 4>(x, ldx, M, K, q, d, mn, t * 4, y, ldy);
+      if (nc == 4) row_times_4_columns<FMT>(x, K, q, d, mn, t * 4, y);  // M == 1
       else column_tile<FMT, 2>(x, ldx, M, K, q, d, mn, t * 2, y, ldy);
     } else {
       column_tile<FMT, 1>(x, ldx, M, K, q, d, mn, tiles * nc + (t - tiles), y, ldy);

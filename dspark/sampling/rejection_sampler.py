@@ -127,12 +127,15 @@ def draw_rejection_randoms(
     generators: list[torch.Generator | None],  # [num_requests]
     *,
     device: torch.device | str | None = None,
+    greedy: list[bool] | None = None,  # [num_requests] requests that consume no randomness
 ) -> tuple[torch.Tensor, torch.Tensor]:  # uniforms [num_draft_tokens] fp32, exp_noise [num_requests, vocab] fp32
     """The random numbers one round consumes, each request's from its own generator.
 
     A request with a generator draws its l_r uniforms then its vocab exponentials from it, so a
     seeded request reproduces whatever else is in the batch. Requests without one share a single
     batched draw from the default generator of `device` (no per-request launches for them).
+    `greedy` requests draw nothing (their rows hold ones, which the sampler never reads): a
+    vocabulary of exponentials is ~1 ms a round on a CPU, as much as a tenth of a decoding step.
     `device` defaults to num_draft_tokens' device.
     """
     if num_draft_tokens.dim() != 1:
@@ -144,17 +147,24 @@ def draw_rejection_randoms(
     device = torch.device(device) if device is not None else num_draft_tokens.device
     lens = num_draft_tokens.tolist()  # host lengths: they size the per-request slices below
     total = sum(lens)
+    if greedy is not None and len(greedy) != len(lens):
+        raise ValueError(f"need one greedy flag per request: got {len(greedy)} for {len(lens)} requests")
+    skip = list(greedy) if greedy is not None else [False] * len(lens)
+    if skip and all(skip):  # plain greedy decoding: nothing drawn, no generator advanced
+        return torch.zeros(total, device=device), torch.ones(len(lens), vocab, device=device)
     uniforms = torch.rand(total, device=device)
     exp_noise = torch.empty(len(lens), vocab, device=device)
-    shared = [r for r, gen in enumerate(generators) if gen is None]
+    shared = [r for r, gen in enumerate(generators) if gen is None and not skip[r]]
     if len(shared) == len(lens):
         exp_noise.exponential_()
     elif shared:
         exp_noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
+    if any(skip):
+        exp_noise[[r for r in range(len(lens)) if skip[r]]] = 1.0
     offset = 0
     for r, (n, gen) in enumerate(zip(lens, generators)):
         # Why a per-request loop: each seeded request must consume only its own stream.
-        if gen is not None:
+        if gen is not None and not skip[r]:
             uniforms[offset : offset + n] = torch.rand(n, generator=gen, device=gen.device).to(device)
             exp_noise[r] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
         offset += n
