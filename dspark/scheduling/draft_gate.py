@@ -14,7 +14,11 @@ drafts verified per request and g the drafts accepted per request, counting only
 the model drafted for (a free proposal, `DraftProposal.free`: a context lookup, costs no model
 forward and is made whatever the gate says, so it must not vouch for the model). It drafts when the second
 is higher, and also after `probe_every` rounds in a row without drafting (the estimates must
-see new rounds to notice that a request got easier). Before any drafted round it drafts.
+see new rounds to notice that a request got easier). A probe that does not pay doubles the wait
+before the next one, up to `max_probe_every`; a round that pays resets it: with a drafter that
+does not pay on this hardware (a verify step that grows steeply with B, as on compact fp32
+weights), fixed probes every 8 rounds cost ~8% of plain decoding's speed, backed-off ones ~1-2%.
+Before any drafted round it drafts.
 
 Used by the `dspark` policy (`Policy.gates_drafting`); not by `dspark-async`, whose capacity
 comes from confidences of two rounds earlier that skipped rounds would not produce.
@@ -35,18 +39,23 @@ import numpy as np
 class DraftGate:
     smoothing: float = 0.3  # weight of the newest drafted round in the running means
     probe_every: int = 8  # draft anyway after this many rounds in a row without drafting
+    max_probe_every: int = 64  # the wait doubles after each probe that did not pay, up to this
     draft_s_per_request: float | None = None  # fixed t_d (benchmarks, tests); None = measured
     # running means over drafted rounds (None until the first one)
     _t_d: float | None = None
     _verified: float | None = None  # ℓ̄
     _accepted: float | None = None  # g
     _skipped_in_a_row: int = 0
+    _probe_wait: int = 0  # rounds to skip before the next probe (probe_every .. max_probe_every)
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
             raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
         if self.probe_every < 1:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+        if self.max_probe_every < self.probe_every:
+            raise ValueError(f"max_probe_every must be >= probe_every ({self.probe_every}), got {self.max_probe_every}")
+        self._probe_wait = self.probe_every
 
     def expected_gain(self, *, num_requests: int, sps_table: np.ndarray, prefill_tokens: int = 0) -> float | None:
         """Expected tokens/s with drafting over without it (None before any drafted round). The
@@ -68,8 +77,12 @@ class DraftGate:
         if sps_table is None or num_requests == 0:
             return True
         gain = self.expected_gain(num_requests=num_requests, sps_table=sps_table, prefill_tokens=prefill_tokens)
-        if gain is None or gain > 1.0 or self._skipped_in_a_row >= self.probe_every:
+        if gain is None or gain > 1.0:
+            self._skipped_in_a_row, self._probe_wait = 0, self.probe_every
+            return True
+        if self._skipped_in_a_row >= self._probe_wait:  # a probe; if it does not pay either, wait longer next time
             self._skipped_in_a_row = 0
+            self._probe_wait = min(2 * self._probe_wait, self.max_probe_every)
             return True
         self._skipped_in_a_row += 1
         return False

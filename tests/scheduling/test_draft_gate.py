@@ -38,16 +38,34 @@ def test_the_expected_gain_is_the_ratio_of_tokens_per_second_with_and_without_dr
     assert gate.expected_gain(num_requests=2, sps_table=TABLE) == pytest.approx(expected)
 
 
-def test_a_drafter_that_is_never_accepted_is_skipped_but_probed():
-    gate = DraftGate(probe_every=3)
+def test_a_drafter_that_is_never_accepted_is_skipped_but_probed_less_and_less_often():
+    gate = DraftGate(probe_every=3, max_probe_every=6)
     decisions = []
-    for _ in range(12):
+    for _ in range(25):
         draft = gate.should_draft(num_requests=1, sps_table=TABLE)
         decisions.append(draft)
         if draft:
             gate.record(num_requests=1, draft_seconds=0.003, verified=4, accepted=0)
-    # the first round drafts (no history); then 3 skipped rounds, one probe, 3 skipped, ...
-    assert decisions == [True, False, False, False, True, False, False, False, True, False, False, False]
+    # the first round drafts (no history); then 3 skipped rounds and a probe that does not pay,
+    # 6 skipped and a probe, then 6 (the cap) each time
+    assert [i for i, d in enumerate(decisions) if d] == [0, 4, 11, 18]
+
+
+def test_a_probe_that_pays_brings_back_the_short_wait():
+    gate = DraftGate(probe_every=2, max_probe_every=8)
+    rounds = []
+    for i in range(40):
+        draft = gate.should_draft(num_requests=1, sps_table=TABLE)
+        if draft:
+            rounds.append(i)
+            # hopeless until round 20, then every draft is accepted (the request got easy)
+            gate.record(num_requests=1, draft_seconds=0.001, verified=4, accepted=4 if i >= 20 else 0)
+    assert rounds[:4] == [0, 3, 8, 17] and all(i in rounds for i in range(rounds[rounds.index(next(r for r in rounds if r >= 20)) + 2], 40))
+
+
+def test_the_probe_waits_are_validated():
+    with pytest.raises(ValueError, match="max_probe_every"):
+        DraftGate(probe_every=8, max_probe_every=4)
 
 
 def test_a_drafter_that_pays_keeps_drafting():
@@ -72,7 +90,9 @@ def gated_engine(runtime, *, draft_s_per_request: float, probe_every: int = 2) -
     engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2,
                                policy=parse_policy("dspark"))
     engine.sps_profile = PROFILE
-    engine.draft_gate = DraftGate(draft_s_per_request=draft_s_per_request, probe_every=probe_every)
+    # a fixed probe period (no backoff): these tests price drafting so that the decision flips
+    engine.draft_gate = DraftGate(draft_s_per_request=draft_s_per_request, probe_every=probe_every,
+                                  max_probe_every=probe_every)
     return engine
 
 
