@@ -7,7 +7,8 @@ they came in (Q4_1 layers, Q8_0 LM head for the default model; dspark/model/comp
 "bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
 CPUs with native bf16), "fp32" = dense fp32 (oneDNN). Each step is one request verifying B query
 tokens over a --context-token prefix, shaped as a verify forward; B = 1 is plain decoding. Modes
-are interleaved repeat by repeat so machine noise hits them alike; each cell is the median.
+are interleaved at each B, round after round, so machine noise hits them alike; each cell is the
+median over rounds of each round's median step.
 Also printed: the bytes of GEMM weights each mode streams per step, and the effective GB/s at B = 1.
 """
 
@@ -63,14 +64,41 @@ def step_ms(runtime: TargetRuntime, prefix: torch.Tensor, block: torch.Tensor, s
     try:
         runtime.forward([rid], prefix, [len(prefix)], logits_indices=torch.empty(0, dtype=torch.long))
         times = []
-        for _ in range(steps):
+        for step in range(steps + 2):  # the first two warm the caches after the prefill: untimed
             t = time.perf_counter()
             runtime.forward([rid], block, [len(block)])
-            times.append(time.perf_counter() - t)
+            if step >= 2:
+                times.append(time.perf_counter() - t)
             runtime.truncate(rid, len(prefix))
         return statistics.median(times) * 1e3
     finally:
         runtime.free_request(rid)
+
+
+def gemm_ms(runtime: TargetRuntime, rows: int, repeats: int) -> tuple[float, float]:
+    """Median ms of every linear layer's GEMM in a forward's order, then of the LM head, at `rows`
+    rows of random input (the GEMMs alone: no attention, norms or Python between layers)."""
+    model = runtime.model
+    linears = [getattr(layer, name) for layer in model.layers for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    head = model.__dict__["lm_head_packed"]
+    inputs = [torch.randn(rows, lin.in_features).to(lin.dtype) for lin in linears]
+    head_input = torch.randn(rows, head.in_features).to(head.dtype)
+
+    def layers() -> None:
+        for lin, x in zip(linears, inputs):
+            for j, (lo, hi) in enumerate(zip(lin.bounds, lin.bounds[1:])):
+                lin.partial(x[:, lo:hi].contiguous() if len(lin.bounds) > 2 else x, j)
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - t)
+        return statistics.median(samples) * 1e3
+
+    return timed(layers), timed(lambda: head.partial(head_input, 0))
 
 
 def main() -> None:
@@ -81,6 +109,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="rounds over all modes; each cell is the median")
     ap.add_argument("--steps", type=int, default=7, help="forwards per cell per round")
     ap.add_argument("--plot", default=None, help="write a PNG of ms/step against B per mode")
+    ap.add_argument("--gemms", action="store_true", help="also time the GEMMs alone (layers, LM head) at 1 and 8 rows")
     args = ap.parse_args()
 
     runtimes = {m: TargetRuntime.load(MODES[m]) for m in args.modes}
@@ -93,8 +122,8 @@ def main() -> None:
     blocks = {b: torch.randint(0, vocab, (b,), generator=g) for b in args.batches}
     cells: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.repeats):
-        for m, r in runtimes.items():
-            for b in args.batches:
+        for b in args.batches:  # the modes side by side at each B, so a noisy moment hits them alike
+            for m, r in runtimes.items():
                 cells.setdefault((m, b), []).append(step_ms(r, prefix, blocks[b], args.steps))
     ms = {k: statistics.median(v) for k, v in cells.items()}
 
@@ -116,6 +145,15 @@ def main() -> None:
         print("\nat B = 1 (plain decoding): " + ", ".join(
             f"{m} {1e3 / ms[m, 1]:.1f} forwards/s ({gemm_weight_bytes(runtimes[m]) / ms[m, 1] / 1e6:.1f} GB/s of weights)"
             for m in args.modes))
+    if args.gemms:
+        rows = []
+        for m, r in runtimes.items():
+            mb = gemm_weight_bytes(r) / 1e6
+            for n in (1, 8):
+                layers, head = gemm_ms(r, n, repeats=max(5, args.repeats * 2))
+                rows.append([m, n, layers, head, layers + head, mb / (layers + head)])
+        print("\nGEMMs alone (30 layers x 4 linear layers, then the LM head):")
+        print_table(["mode", "rows", "layers ms", "head ms", "total ms", "GB/s of weights"], rows)
     if args.plot:
         import matplotlib
 

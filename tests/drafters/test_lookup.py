@@ -159,7 +159,7 @@ def test_rounds_the_draft_gate_skips_still_get_lookups_and_never_the_model(tiny_
     engine = SpeculativeEngine(runtime, drafter, num_speculative_tokens=4, policy=parse_policy("dspark"))
     engine.sps_profile = PROFILE
     # drafting "costs" 10 s a request: after the first drafted round the gate skips the model
-    engine.draft_gate = DraftGate(draft_s_per_request=10.0, probe_every=1000)
+    engine.draft_gate = DraftGate(draft_s_per_request=10.0, probe_every=1000, max_probe_every=1000)
     states = engine.generate([GenerationRequest(f"r{i}", q, 24, GREEDY) for i, q in enumerate(REPEATING_PROMPTS)])
     plain = SpeculativeEngine(runtime, None).generate(
         [GenerationRequest(f"p{i}", q, 24, GREEDY) for i, q in enumerate(REPEATING_PROMPTS)])
