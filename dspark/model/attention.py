@@ -446,6 +446,34 @@ def build_library(source: str, stem: str) -> tuple[ctypes.CDLL | None, str | Non
     return None, "; ".join(errors)
 
 
+class LazyLibrary:
+    """A kernel library built and loaded on first use (build_library), with its functions'
+    ctypes signatures set; None, warned once, where the build fails (the caller's fallback)."""
+
+    def __init__(self, source: str, stem: str, signatures: dict[str, list], fallback: str):
+        self.source, self.stem, self.signatures, self.fallback = source, stem, signatures, fallback
+        self.lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+
+    def get(self) -> ctypes.CDLL | None:
+        if self.lib is not None or self.error is not None:
+            return self.lib
+        lib, error = build_library(self.source, self.stem)
+        if lib is None:
+            self.error = f"{self.stem} kernels unavailable ({error}); {self.fallback}"
+            warnings.warn(self.error, RuntimeWarning, stacklevel=3)
+            return None
+        for name, argtypes in self.signatures.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+        self.lib = lib
+        return lib
+
+
+# -ffp-contract=off is part of the fused and compact kernels' contract: FMAs only where written
+FP_CONTRACT_OFF = "#pragma GCC optimize(\"fp-contract=off\")\n"
+
+
 def load_kernel() -> ctypes.CDLL | None:
     """The compiled kernel, building it on first use (about a second); None where that fails."""
     global _kernel, _kernel_error

@@ -33,12 +33,11 @@ docs/results/compact_weights.md.
 from __future__ import annotations
 
 import ctypes
-import warnings
 from dataclasses import dataclass
 
 import torch
 
-from dspark.model.attention import VECTOR_PRELUDE, build_library
+from dspark.model.attention import FP_CONTRACT_OFF, VECTOR_PRELUDE, LazyLibrary
 
 BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
 FORMATS = ("bf16", "q8_0", "q4_1")  # the kernel's format codes are their indices
@@ -391,26 +390,15 @@ void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int 
 }  // extern "C"
 """
 
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "compact_gemm", {
+    "dspark_compact_gemm": [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int],
+}, fallback="weights stay dense")
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel (built on first use, about a second), or None where that fails."""
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    # -ffp-contract=off is part of the kernel's contract (module docstring): FMAs only where written
-    lib, error = build_library("#pragma GCC optimize(\"fp-contract=off\")\n" + _SOURCE, "compact_gemm")
-    if lib is None:
-        _error = f"compact-weight GEMM unavailable ({error}); weights stay dense"
-        warnings.warn(_error, RuntimeWarning, stacklevel=2)
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.dspark_compact_gemm.argtypes = [ptr, i64, i64, i64, ctypes.c_int, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int]
-    lib.dspark_compact_gemm.restype = None
-    _lib = lib
-    return lib
+    return _LIBRARY.get()
 
 
 def available() -> bool:

@@ -33,11 +33,10 @@ batch-invariant, but they round differently: a process uses one throughout (Tran
 from __future__ import annotations
 
 import ctypes
-import warnings
 
 import torch
 
-from dspark.model.attention import VECTOR_PRELUDE, build_library
+from dspark.model.attention import FP_CONTRACT_OFF, VECTOR_PRELUDE, LazyLibrary
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <cmath>
@@ -181,29 +180,17 @@ void dspark_silu_mul(const void* gu, int bf16, int64_t gu_stride, int64_t n, int
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)  # GEMM inputs/outputs: bf16 dense weights, fp32 compact ones
 
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
+_i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "fused_ops", {
+    "dspark_add_rms_norm": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32, _ptr, ctypes.c_float, _ptr, _i32, _i32],
+    "dspark_rope_split": [_ptr, _i32, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i32],
+    "dspark_silu_mul": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32],
+}, fallback="using the torch ops")
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernels (built on first use, about a second), or None where that fails."""
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    # -ffp-contract=off is part of the source's contract (see the module docstring)
-    lib, error = build_library("#pragma GCC optimize(\"fp-contract=off\")\n" + _SOURCE, "fused_ops")
-    if lib is None:
-        _error = f"fused layer kernels unavailable ({error}); using the torch ops"
-        warnings.warn(_error, RuntimeWarning, stacklevel=2)
-        return None
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.dspark_add_rms_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, i32, ptr, ctypes.c_float, ptr, i32, i32]
-    lib.dspark_rope_split.argtypes = [ptr, i32, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
-    lib.dspark_silu_mul.argtypes = [ptr, i32, i64, i64, i64, i64, ptr, ptr, i32]
-    for f in (lib.dspark_add_rms_norm, lib.dspark_rope_split, lib.dspark_silu_mul):
-        f.restype = None
-    _lib = lib
-    return lib
+    return _LIBRARY.get()
 
 
 def available() -> bool:
