@@ -26,7 +26,10 @@ unlike llama.cpp's quantized dot products, x is never rounded to 8 bits.
 
 Cost: at one row the kernel is bound by decoding (~8 cycles a block of 32 on a Zen 4 core) and
 the stream of 0.75 bytes a weight; from ~8 rows by fp32 FMAs (16 per cycle per core), where
-oneDNN's bf16 GEMM does twice the work per instruction on rounded weights. Measured in
+oneDNN's bf16 GEMM does twice the work per instruction on rounded weights. On AVX2-only CPUs a
+16-lane GCC vector has no register to live in (every operation goes through the stack), so the
+kernel has a second spelling there on pairs of 8-lane registers: the same FMAs in the same order,
+the same bits (tests/model/test_compact_weights.py checks it against the 16-lane code). Measured in
 docs/results/compact_weights.md.
 """
 
@@ -373,6 +376,117 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
   }
 }
 
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(DSPARK_V16_GEMM)
+// AVX2 (16 registers of 8 lanes). The v16 code above keeps 16-lane values in memory here (a
+// pair of halves behind memcpy: ~80 ms of GEMMs a token instead of ~8), so this path spells the
+// same arithmetic on explicit halves: the v16 accumulator's lanes 0..7 and 8..15 are a[0] and
+// a[1], its weights 0..15 / 16..31 are w[0..1] / w[2..3]. Every output gets the bits the
+// AVX-512 path computes, through the same FMAs in the same order and the same lane-sum tree.
+namespace avx2 {
+
+// Block b of column n as 4 x 8 exact fp32 weights: w[j] holds weights 8j .. 8j + 7.
+template <int FMT>
+inline void decode(const void* q, const float* d, const float* mn, int64_t n, int64_t b, int64_t K, __m256 w[4]) {
+  const int64_t nb = K / B;
+  if (FMT == 0) {  // bf16 bits -> fp32
+    const __m128i* src = reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(q) + n * K + b * B);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(src + j)), 16));
+  } else if (FMT == 1) {  // q8_0: d * int8
+    const int8_t* src = static_cast<const int8_t*>(q) + n * K + b * B;
+    const __m256 s = _mm256_broadcast_ss(d + n * nb + b);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8 * j));
+      w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
+    }
+  } else {  // q4_1: the 4 words in both halves; weights 8j .. 8j + 7 shifted by 8j, 8j + 4
+    const __m256i all = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint32_t*>(q) + n * (K / 8) + b * 4)));
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    const __m256 s = _mm256_broadcast_ss(d + n * nb + b), m = _mm256_broadcast_ss(mn + n * nb + b);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i shift = _mm256_setr_epi32(8 * j, 8 * j, 8 * j, 8 * j, 8 * j + 4, 8 * j + 4, 8 * j + 4, 8 * j + 4);
+      const __m256 qj = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(all, shift), mask));
+      w[j] = _mm256_fmadd_ps(qj, s, m);  // d·q exact: one rounding, as compact() checked
+    }
+  }
+}
+
+// lane_sum of the v16 (a0 | a1): halves added, then 4 -> 2 -> 1 as (b0 + b2) + (b1 + b3)
+inline float lane_sum(__m256 a0, __m256 a1) {
+  const __m256 a = _mm256_add_ps(a0, a1);
+  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  // c0 = b0 + b2, c1 = b1 + b3
+  return _mm_cvtss_f32(_mm_add_ss(c, _mm_shuffle_ps(c, c, 1)));
+}
+
+// R rows x NC columns; the (row, column) arithmetic is tile()'s above, whatever R and NC
+template <int FMT, int R, int NC>
+inline void tile(const float* x, int64_t ldx, int64_t K, const void* q, const float* d, const float* mn,
+                 int64_t n0, float* y, int64_t ldy) {
+  __m256 a[R * NC][2];
+#pragma GCC unroll 32
+  for (int i = 0; i < R * NC; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / B; ++b) {
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      __m256 w[4];
+      decode<FMT>(q, d, mn, n0 + c, b, K, w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + b * B;
+        __m256* acc = a[r * NC + c];
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), w[2], _mm256_fmadd_ps(_mm256_loadu_ps(xr), w[0], acc[0]));
+        acc[1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), w[3], _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), w[1], acc[1]));
+      }
+    }
+  }
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) y[r * ldy + n0 + c] = lane_sum(a[r * NC + c][0], a[r * NC + c][1]);
+}
+
+// one row: 4 columns a pass (8 accumulators, 8 independent FMA chains); more rows: one column
+// a pass over row tiles of 4 (8 accumulators; a block decoded once for 4 rows)
+template <int FMT>
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, const float* d, const float* mn,
+          int64_t N, float* y, int64_t ldy, int threads) {
+  const int use = (M * N * K < (1 << 18)) ? 1 : threads;
+  if (M == 1) {
+    const int64_t tiles = N / 4;
+#pragma omp parallel for num_threads(use) schedule(static)
+    for (int64_t t = 0; t < tiles + (N - tiles * 4); ++t) {
+      if (t < tiles) tile<FMT, 1, 4>(x, ldx, K, q, d, mn, t * 4, y, ldy);
+      else tile<FMT, 1, 1>(x, ldx, K, q, d, mn, tiles * 4 + (t - tiles), y, ldy);
+    }
+    return;
+  }
+#pragma omp parallel for num_threads(use) schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) tile<FMT, 4, 1>(x + r * ldx, ldx, K, q, d, mn, n, y + r * ldy, ldy);
+    const float* xr = x + r * ldx;
+    float* yr = y + r * ldy;
+    switch (M - r) {
+      case 3: tile<FMT, 3, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+      case 2: tile<FMT, 2, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+      case 1: tile<FMT, 1, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace avx2
+#define DSPARK_GEMM avx2::gemm
+#else
+#define DSPARK_GEMM gemm
+#endif
+
 }  // namespace
 
 extern "C" {
@@ -382,18 +496,22 @@ extern "C" {
 // fp32 (mn only for q4_1). K % 32 == 0. Threads split the columns.
 void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int format, const void* q,
                          const float* d, const float* mn, int64_t N, float* y, int64_t ldy, int threads) {
-  if (format == 0) gemm<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
-  else if (format == 1) gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
-  else gemm<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  if (format == 0) DSPARK_GEMM<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 1) DSPARK_GEMM<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else DSPARK_GEMM<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
 }
 
 }  // extern "C"
 """
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "compact_gemm", {
+_SIGNATURES = {
     "dspark_compact_gemm": [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int],
-}, fallback="weights stay dense")
+}
+_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "compact_gemm", _SIGNATURES, fallback="weights stay dense")
+# the 16-lane vector code on every CPU: the reference the AVX2 path must equal bit for bit
+_V16_LIBRARY = LazyLibrary("#define DSPARK_V16_GEMM 1\n" + FP_CONTRACT_OFF + _SOURCE, "compact_gemm_v16", _SIGNATURES,
+                           fallback="no v16 reference")
 
 
 def load() -> ctypes.CDLL | None:
@@ -407,6 +525,15 @@ def available() -> bool:
 
 def matmul(x: torch.Tensor, cw: CompactWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 (last dim contiguous) -> x Wᵀ [M, N] fp32, through the kernel."""
+    return _run(load(), x, cw, out)
+
+
+def v16_matmul(x: torch.Tensor, cw: CompactWeight) -> torch.Tensor:
+    """`matmul` through the generic 16-lane code whatever the CPU (the AVX2 path's reference)."""
+    return _run(_V16_LIBRARY.get(), x, cw, None)
+
+
+def _run(library: ctypes.CDLL, x: torch.Tensor, cw: CompactWeight, out: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     if k != cw.in_features or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"x must be fp32 [M, {cw.in_features}] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
@@ -414,7 +541,7 @@ def matmul(x: torch.Tensor, cw: CompactWeight, out: torch.Tensor | None = None) 
         out = torch.empty(m, cw.out_features)
     assert out.dtype == torch.float32 and out.shape == (m, cw.out_features) and out.stride(1) == 1
     ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    load().dspark_compact_gemm(x.data_ptr(), x.stride(0), m, k, FORMATS.index(cw.format), cw.q.data_ptr(),
+    library.dspark_compact_gemm(x.data_ptr(), x.stride(0), m, k, FORMATS.index(cw.format), cw.q.data_ptr(),
                                ptr(cw.scale), ptr(cw.offset), cw.out_features, out.data_ptr(), out.stride(0),
                                torch.get_num_threads())
     return out

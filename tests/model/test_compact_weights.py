@@ -73,6 +73,27 @@ def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt
         torch.set_num_threads(threads)
 
 
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or "avx512f" in _cpu_flags(),
+                    reason="the AVX2 spelling of the kernel is built only on AVX2 CPUs without AVX-512")
+@pytest.mark.parametrize("fmt", cw.FORMATS)
+def test_the_avx2_kernel_gives_the_bits_of_the_16_lane_code(fmt):
+    """On AVX2 the kernel is spelled on 8-lane register pairs (compact_weights.py); it must be the
+    16-lane code's arithmetic exactly, so an AVX2 and an AVX-512 machine compute the same logits."""
+    w = _weights(fmt, 67, 160, seed=5)
+    c = cw.compact(w, formats=(fmt,))
+    for m in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
+        assert torch.equal(cw.matmul(x, c), cw.v16_matmul(x, c)), f"M = {m}"
+
 def test_a_strided_input_and_output_are_read_and_written_in_place():
     c = cw.compact(_weights("q4_1", 48, 64))
     big = torch.randn(5, 100)
