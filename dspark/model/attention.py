@@ -55,22 +55,121 @@ import torch.nn.functional as F
 VECTOR_PRELUDE = r"""
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
-// Explicit 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has
-// them, pairs or quads of narrower ones elsewhere, the same arithmetic either way). Every
-// floating-point operation of a kernel is a vector operation on whole lanes; there is no
-// scalar twin of any loop whose rounding could differ (contracted or not) from the vector one.
+// Explicit 16-lane vectors. Every floating-point operation of a kernel is a vector operation on
+// whole lanes; there is no scalar twin of any loop whose rounding could differ (contracted or
+// not) from the vector one. Kernels use the operators (+ - * / & | ~ << >> and comparisons,
+// lane-wise, a scalar operand broadcast) and the helpers below, never GCC builtins directly, so
+// the two spellings of the types compute the same bits:
+//   - AVX-512 and other CPUs: GCC vector extensions of 16 lanes (one AVX-512 register);
+//   - AVX2 without AVX-512: a pair of 8-lane halves (lanes 0..7, 8..15). GCC has no register for
+//     a 64-byte vector there and keeps every such value on the stack (~10x slower kernels); the
+//     pair lives in two ymm registers and does the same operation on each half.
 constexpr int64_t W = 16;
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+#if defined(__AVX2__) && !defined(__AVX512F__) && !defined(DSPARK_NATIVE_V16)
+#define DSPARK_V16_PAIRS 1
+
+template <class H>
+struct Pair {
+  H lo, hi;  // lanes 0..7, 8..15
+  auto operator[](int i) const { return i < 8 ? lo[i] : hi[i - 8]; }
+};
+typedef Pair<v8> v16;
+typedef Pair<v8i> v16i;
+typedef Pair<v8u> v16u;
+
+template <class S>
+using if_scalar = std::enable_if_t<std::is_arithmetic_v<S>, int>;
+
+#define DSPARK_PAIR_OP(OP)                                                                                   \
+  template <class H> inline Pair<H> operator OP(Pair<H> a, Pair<H> b) { return {a.lo OP b.lo, a.hi OP b.hi}; } \
+  template <class H, class S, if_scalar<S> = 0> inline Pair<H> operator OP(Pair<H> a, S s) { return {a.lo OP s, a.hi OP s}; } \
+  template <class H, class S, if_scalar<S> = 0> inline Pair<H> operator OP(S s, Pair<H> a) { return {s OP a.lo, s OP a.hi}; }
+DSPARK_PAIR_OP(+) DSPARK_PAIR_OP(-) DSPARK_PAIR_OP(*) DSPARK_PAIR_OP(/) DSPARK_PAIR_OP(&) DSPARK_PAIR_OP(|)
+DSPARK_PAIR_OP(<<) DSPARK_PAIR_OP(>>)
+#undef DSPARK_PAIR_OP
+#define DSPARK_PAIR_CMP(OP)                                                                                  \
+  template <class H> inline auto operator OP(Pair<H> a, Pair<H> b) { return Pair<decltype(a.lo OP b.lo)>{a.lo OP b.lo, a.hi OP b.hi}; } \
+  template <class H, class S, if_scalar<S> = 0> inline auto operator OP(Pair<H> a, S s) { return Pair<decltype(a.lo OP s)>{a.lo OP s, a.hi OP s}; }
+DSPARK_PAIR_CMP(<) DSPARK_PAIR_CMP(>) DSPARK_PAIR_CMP(<=) DSPARK_PAIR_CMP(>=) DSPARK_PAIR_CMP(==) DSPARK_PAIR_CMP(!=)
+#undef DSPARK_PAIR_CMP
+template <class H> inline Pair<H> operator-(Pair<H> a) { return {-a.lo, -a.hi}; }
+template <class H> inline Pair<H> operator~(Pair<H> a) { return {~a.lo, ~a.hi}; }
+
+inline v16 splat(float x) { return {v8{} + x, v8{} + x}; }
+inline v16i iota() { return {v8i{0, 1, 2, 3, 4, 5, 6, 7}, v8i{8, 9, 10, 11, 12, 13, 14, 15}}; }
+// lanes of m set (all ones) take a, the others b
+template <class M, class H> inline Pair<H> select(Pair<M> m, Pair<H> a, Pair<H> b) { return {m.lo ? a.lo : b.lo, m.hi ? a.hi : b.hi}; }
+// the same 64 bytes as another lane type
+template <class To, class H> inline To bits(Pair<H> x) { return {(decltype(To::lo))x.lo, (decltype(To::lo))x.hi}; }
+inline v16i to_i32(v16 x) { return {__builtin_convertvector(x.lo, v8i), __builtin_convertvector(x.hi, v8i)}; }  // truncating
+template <class H> inline v16 to_f32(Pair<H> x) { return {__builtin_convertvector(x.lo, v8), __builtin_convertvector(x.hi, v8)}; }
+inline v16u widen(v16h h) {  // uint16 -> uint32 lanes
+  const v8h lo = __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7), hi = __builtin_shufflevector(h, h, 8, 9, 10, 11, 12, 13, 14, 15);
+  return {__builtin_convertvector(lo, v8u), __builtin_convertvector(hi, v8u)};
+}
+inline v16h narrow(v16u u) {  // uint32 -> uint16 lanes (the low halves)
+  const v8h lo = __builtin_convertvector(u.lo, v8h), hi = __builtin_convertvector(u.hi, v8h);
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// The first n (<= 16) floats at p, zeros in the remaining lanes; a whole vector is two loads.
+inline v16 load(const float* p, int64_t n = W) {
+  v16 x;
+  if (n == W) {
+    std::memcpy(&x.lo, p, 32);
+    std::memcpy(&x.hi, p + 8, 32);
+  } else {
+    float buf[W] = {0};
+    std::memcpy(buf, p, n * sizeof(float));
+    std::memcpy(&x.lo, buf, 32);
+    std::memcpy(&x.hi, buf + 8, 32);
+  }
+  return x;
+}
+inline void store(float* p, v16 x, int64_t n = W) {
+  if (n == W) {
+    std::memcpy(p, &x.lo, 32);
+    std::memcpy(p + 8, &x.hi, 32);
+  } else {
+    float buf[W];
+    std::memcpy(buf, &x.lo, 32);
+    std::memcpy(buf + 8, &x.hi, 32);
+    std::memcpy(p, buf, n * sizeof(float));
+  }
+}
+
+// lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
+inline float hsum(v16 x) {
+  const v8 a = x.lo + x.hi;
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+#else  // native 16-lane vectors
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint16_t v16h __attribute__((vector_size(32)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
 
 inline v16 splat(float x) { return v16{} + x; }
+inline v16i iota() { return v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+template <class M, class V> inline V select(M m, V a, V b) { return m ? a : b; }
+template <class To, class V> inline To bits(V x) { return (To)x; }
+inline v16i to_i32(v16 x) { return __builtin_convertvector(x, v16i); }
+template <class V> inline v16 to_f32(V x) { return __builtin_convertvector(x, v16); }
+inline v16u widen(v16h h) { return __builtin_convertvector(h, v16u); }
+inline v16h narrow(v16u u) { return __builtin_convertvector(u, v16h); }
 
 // The first n (<= 16) floats at p, zeros in the remaining lanes. Whole vectors take a
 // fixed-size copy (one vector load; a runtime-sized memcpy is a library call), a row's tail
@@ -86,7 +185,6 @@ inline void store(float* p, v16 x, int64_t n = W) {
   else std::memcpy(p, &x, n * sizeof(float));
 }
 
-
 // lanes summed by a fixed tree: 16 -> 8 -> 4 -> 2 -> 1 (as the attention kernel)
 inline float hsum(v16 x) {
   v8 lo, hi;
@@ -100,10 +198,12 @@ inline float hsum(v16 x) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+#endif
+
 // exp(x) for x <= 0: Cephes expf (the attention kernel's), x < -87 gives exactly 0
 inline v16 exp_nonpos(v16 x) {
   const v16i tiny = x < -87.0f;
-  v16 xc = tiny ? splat(-87.0f) : x;
+  v16 xc = select(tiny, splat(-87.0f), x);
   v16 n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   v16 r = xc - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
@@ -114,13 +214,9 @@ inline v16 exp_nonpos(v16 x) {
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = (y * (r * r) + r) + 1.0f;
-  v16i bits = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16 pow2n;
-  std::memcpy(&pow2n, &bits, sizeof pow2n);
-  v16i out = reinterpret_cast<v16i&>(y = y * pow2n) & ~tiny;
-  v16 res;
-  std::memcpy(&res, &out, sizeof res);
-  return res;
+  const v16 pow2n = bits<v16>((to_i32(n) + 127) << 23);
+  y = y * pow2n;
+  return bits<v16>(bits<v16i>(y) & ~tiny);
 }
 
 }  // namespace
@@ -134,16 +230,30 @@ _SOURCE = VECTOR_PRELUDE + r"""
 
 namespace {
 
-// Explicit 16-lane vectors (GCC/Clang vector extensions: AVX-512 registers where the CPU has
-// them, pairs or quads of narrower ones elsewhere, the same arithmetic either way). Every
-// floating-point operation of the kernel is a vector operation on whole lanes; there is no
-// scalar twin of any loop whose rounding could differ (contracted or not) from the vector one.
-
-
-// x[jj] (16 lanes each) -> lane jj = the sum of x[jj]'s lanes, by 4 levels of pairwise
-// shuffle-and-add: level k adds the two halves of every 16 >> k lane segment of two vectors,
-// so every key's 16 lanes go through the same tree; the last shuffle undoes the bit-reversed
-// key order the levels leave.
+#if defined(DSPARK_V16_PAIRS)
+// The same tree on pairs of 8-lane halves: each level's 16-lane shuffles take a half of the
+// output from the matching halves of its inputs, so every half is one 8-lane shuffle pair.
+inline v16 transpose_reduce(const v16* x) {
+  v16 y[8], z[4], w[2];
+  for (int p = 0; p < 8; ++p) y[p] = {x[2 * p].lo + x[2 * p].hi, x[2 * p + 1].lo + x[2 * p + 1].hi};
+  auto level = [](v8 a, v8 b, auto pick_a, auto pick_b) { return pick_a(a, b) + pick_b(a, b); };
+  for (int p = 0; p < 4; ++p) {
+    auto a = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 0, 1, 2, 3, 8, 9, 10, 11); };
+    auto b = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 4, 5, 6, 7, 12, 13, 14, 15); };
+    z[p] = {level(y[2 * p].lo, y[2 * p + 1].lo, a, b), level(y[2 * p].hi, y[2 * p + 1].hi, a, b)};
+  }
+  for (int p = 0; p < 2; ++p) {
+    auto a = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 0, 1, 8, 9, 4, 5, 12, 13); };
+    auto b = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 2, 3, 10, 11, 6, 7, 14, 15); };
+    w[p] = {level(z[2 * p].lo, z[2 * p + 1].lo, a, b), level(z[2 * p].hi, z[2 * p + 1].hi, a, b)};
+  }
+  auto a = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 0, 8, 2, 10, 4, 12, 6, 14); };
+  auto b = [](v8 u, v8 v) { return __builtin_shufflevector(u, v, 1, 9, 3, 11, 5, 13, 7, 15); };
+  const v16 f = {level(w[0].lo, w[1].lo, a, b), level(w[0].hi, w[1].hi, a, b)};
+  return {__builtin_shufflevector(f.lo, f.hi, 0, 8, 4, 12, 2, 10, 6, 14),
+          __builtin_shufflevector(f.lo, f.hi, 1, 9, 5, 13, 3, 11, 7, 15)};
+}
+#else
 inline v16 transpose_reduce(const v16* x) {
   v16 y[8], z[4], w[2];
   for (int p = 0; p < 8; ++p)
@@ -159,6 +269,7 @@ inline v16 transpose_reduce(const v16* x) {
                 __builtin_shufflevector(w[0], w[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   return __builtin_shufflevector(f, f, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#endif
 
 
 }  // namespace
@@ -230,7 +341,7 @@ void attend_task(const Rows& rows, const float* K, const float* V, int64_t group
   // dot products (lanes never mix keys, so a key's score does not depend on its neighbours).
   // Keys past a row's prefix are masked to -inf; past every row's, read as zeros (never past
   // the cache).
-  const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16i lane = iota();
   for (int64_t j0 = 0; j0 < npad; j0 += W) {
     const float* kb = K + j0 * hd;  // [16, hd]
     if (nmax - j0 < W) {
@@ -251,7 +362,7 @@ void attend_task(const Rows& rows, const float* K, const float* V, int64_t group
           acc[jj] = a;
         }
         const v16 dots = transpose_reduce(acc) * scale;
-        store(sc.s.data() + (r * group + g) * npad + j0, live ? dots : splat(-std::numeric_limits<float>::infinity()));
+        store(sc.s.data() + (r * group + g) * npad + j0, select(live, dots, splat(-std::numeric_limits<float>::infinity())));
       }
     }
   }
@@ -264,11 +375,11 @@ void attend_task(const Rows& rows, const float* K, const float* V, int64_t group
       v16 mv = splat(-std::numeric_limits<float>::infinity());
       for (int64_t j = 0; j < nr; j += W) {
         v16 x = load(sg + j);
-        mv = x > mv ? x : mv;
+        mv = select(x > mv, x, mv);
       }
       float m = mv[0];  // max is exact: any order gives the same value
       for (int l = 1; l < W; ++l) m = mv[l] > m ? mv[l] : m;
-      v16 acc = {0};
+      v16 acc = {};
       for (int64_t j = 0; j < nr; j += W) {  // padding (-inf) gives exact zeros
         v16 p = exp_nonpos(load(sg + j) - m);
         store(sg + j, p);
@@ -390,7 +501,10 @@ void dspark_attend(const float* q, int64_t q_tok_stride, float* out,
 }  // extern "C"
 """
 
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17"]
+# -ffp-contract=off is part of every kernel's contract: FMAs only where written. It is a flag, not
+# `#pragma GCC optimize`: the pragma left contractions in inlined vector code (seen on AVX2), and
+# the attention kernel had neither, so its rounding depended on what the compiler fused.
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-ffp-contract=off"]
 
 _kernel: ctypes.CDLL | None = None
 _kernel_error: str | None = None
@@ -430,7 +544,12 @@ def _build(path: Path, source: str, stem: str) -> None:
 
 def build_library(source: str, stem: str) -> tuple[ctypes.CDLL | None, str | None]:
     """The C++ `source` compiled (about a second, once: cached by source, flags and CPU) and
-    loaded, or None and why not. Shared with dspark/model/fused_ops.py."""
+    loaded, or None and why not. Shared with dspark/model/fused_ops.py.
+
+    DSPARK_NATIVE_V16=1 builds the prelude's native 16-lane vectors on every CPU, also where the
+    kernels use 8-lane pairs (AVX2): slower there, and the same bits (the test of the pairs)."""
+    if os.environ.get("DSPARK_NATIVE_V16") == "1":
+        source = "#define DSPARK_NATIVE_V16 1\n" + source
     digest = hashlib.sha256("\0".join([source, *_FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     name = f"dspark_{stem}_{digest}.so"
     errors = []
@@ -468,10 +587,6 @@ class LazyLibrary:
             getattr(lib, name).restype = None
         self.lib = lib
         return lib
-
-
-# -ffp-contract=off is part of the fused and compact kernels' contract: FMAs only where written
-FP_CONTRACT_OFF = "#pragma GCC optimize(\"fp-contract=off\")\n"
 
 
 def load_kernel() -> ctypes.CDLL | None:

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.model.attention import FP_CONTRACT_OFF, VECTOR_PRELUDE, LazyLibrary
+from dspark.model.attention import VECTOR_PRELUDE, LazyLibrary
 
 BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
 FORMATS = ("bf16", "q8_0", "q4_1")  # the kernel's format codes are their indices
@@ -181,6 +181,8 @@ constexpr int64_t B = 32;  // weights per block
 inline v16 fmadd(v16 a, v16 b, v16 c) {
 #if defined(__AVX512F__)
   return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(DSPARK_V16_PAIRS) && defined(__FMA__)
+  return {(v8)_mm256_fmadd_ps((__m256)a.lo, (__m256)b.lo, (__m256)c.lo), (v8)_mm256_fmadd_ps((__m256)a.hi, (__m256)b.hi, (__m256)c.hi)};
 #elif defined(__FMA__)
   __m256 a0, a1, b0, b1, c0, c1;
   std::memcpy(&a0, &a, 32); std::memcpy(&a1, reinterpret_cast<char*>(&a) + 32, 32);
@@ -212,10 +214,14 @@ inline v16 bytes_to_v16(const void* p) {
   const __m128i b_hi = _mm_srli_si128(b, 8);
   const __m256 f0 = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
   const __m256 f1 = _mm256_cvtepi32_ps(SIGNED ? _mm256_cvtepi8_epi32(b_hi) : _mm256_cvtepu8_epi32(b_hi));
+#if defined(DSPARK_V16_PAIRS)
+  return {(v8)f0, (v8)f1};
+#else
   v16 r;
   std::memcpy(&r, &f0, 32);
   std::memcpy(reinterpret_cast<char*>(&r) + 32, &f1, 32);
   return r;
+#endif
 #else
   if (SIGNED) { v16sb b; std::memcpy(&b, p, sizeof b); return __builtin_convertvector(__builtin_convertvector(b, v16i), v16); }
   v16b b; std::memcpy(&b, p, sizeof b);
@@ -226,13 +232,21 @@ inline v16 bytes_to_v16(const void* p) {
 // the prelude's hsum (the same fixed tree) on registers: its memcpy of halves makes the argument
 // addressable, which keeps a kernel's accumulators on the stack for the whole loop
 inline float lane_sum(v16 x) {
+#if defined(DSPARK_V16_PAIRS)
+  return hsum(x);  // the pair's hsum is already on registers
+#else
   const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
   const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+#endif
 }
 
 // x in every lane (one broadcast load; the prelude's splat adds 0.0, an extra scalar op)
+#if defined(DSPARK_V16_PAIRS)
+inline v16 bcast(float x) { return {v8{x, x, x, x, x, x, x, x}, v8{x, x, x, x, x, x, x, x}}; }
+#else
 inline v16 bcast(float x) { return v16{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+#endif
 
 // 4 words (16 bytes) repeated over 16 lanes: one broadcast load (a generic shuffle of a 4-lane
 // vector compiles to a store and a wider reload here, a stall per block)
@@ -241,6 +255,9 @@ inline v16u repeat_words(const uint32_t* p) {
   const __m512i r = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif defined(__AVX2__)
   const __m256i h = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#if defined(DSPARK_V16_PAIRS)
+  return {(v8u)h, (v8u)h};
+#endif
   __m256i r[2] = {h, h};
 #else
   uint32_t r[16];
@@ -264,9 +281,8 @@ inline void decode_block(const void* q, const float* d, const float* mn, int64_t
     v16h h0, h1;
     std::memcpy(&h0, src, sizeof h0);
     std::memcpy(&h1, src + W, sizeof h1);
-    v16u u0 = __builtin_convertvector(h0, v16u) << 16, u1 = __builtin_convertvector(h1, v16u) << 16;
-    std::memcpy(&w0, &u0, sizeof w0);
-    std::memcpy(&w1, &u1, sizeof w1);
+    w0 = bits<v16>(widen(h0) << 16);
+    w1 = bits<v16>(widen(h1) << 16);
   } else if (FMT == 1) {  // q8_0: d * int8
     const int8_t* src = static_cast<const int8_t*>(q) + n * K + b * B;
     const v16 s = bcast(d[n * nb + b]);
@@ -275,12 +291,12 @@ inline void decode_block(const void* q, const float* d, const float* mn, int64_t
   } else {  // q4_1: d * q + m, the nibbles in 4 words a block (_pack_q4_1): 4 words repeated
     // over 16 lanes, lane i shifted by 4 (i / 4) for weights 0..15 and 16 more for 16..31
     const v16u all = repeat_words(static_cast<const uint32_t*>(q) + n * (K / 8) + b * 4);
-    const v16u shift = {0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12};
-    const v16i lo = (v16i)((all >> shift) & 0xFu), hi = (v16i)((all >> (shift + 16u)) & 0xFu);
+    const v16u shift = bits<v16u>((iota() >> 2) << 2);  // 0,0,0,0, 4,4,4,4, 8,8,8,8, 12,12,12,12
+    const v16i lo = bits<v16i>((all >> shift) & 0xFu), hi = bits<v16i>((all >> (shift + 16u)) & 0xFu);
     const v16 s = bcast(d[n * nb + b]), m = bcast(mn[n * nb + b]);
     // d·q is exact, so one fused multiply-add rounds exactly as d·q + m does
-    w0 = fmadd(__builtin_convertvector(lo, v16), s, m);
-    w1 = fmadd(__builtin_convertvector(hi, v16), s, m);
+    w0 = fmadd(to_f32(lo), s, m);
+    w1 = fmadd(to_f32(hi), s, m);
   }
 }
 
@@ -300,9 +316,7 @@ inline void tile(const float* x, int64_t ldx, int64_t K, const void* q, const fl
     for (int c = 0; c < NC; ++c) decode_block<FMT>(q, d, mn, n0 + c, b, K, w0[c], w1[c]);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      v16 x0, x1;
-      std::memcpy(&x0, x + r * ldx + b * B, sizeof x0);
-      std::memcpy(&x1, x + r * ldx + b * B + W, sizeof x1);
+      const v16 x0 = load(x + r * ldx + b * B), x1 = load(x + r * ldx + b * B + W);
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) acc[r * NC + c] = fmadd(x1, w1[c], fmadd(x0, w0[c], acc[r * NC + c]));
     }
@@ -319,9 +333,8 @@ inline void row_times_4_columns(const float* x, int64_t K, const void* q, const 
                                 int64_t n0, float* y) {
   v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   for (int64_t b = 0; b < K / B; ++b) {
-    v16 x0, x1, w0, w1;
-    std::memcpy(&x0, x + b * B, sizeof x0);
-    std::memcpy(&x1, x + b * B + W, sizeof x1);
+    const v16 x0 = load(x + b * B), x1 = load(x + b * B + W);
+    v16 w0, w1;
     decode_block<FMT>(q, d, mn, n0, b, K, w0, w1);
     a0 = fmadd(x1, w1, fmadd(x0, w0, a0));
     decode_block<FMT>(q, d, mn, n0 + 1, b, K, w0, w1);
@@ -508,9 +521,9 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "dspark_compact_gemm": [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int],
 }
-_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "compact_gemm", _SIGNATURES, fallback="weights stay dense")
+_LIBRARY = LazyLibrary(_SOURCE, "compact_gemm", _SIGNATURES, fallback="weights stay dense")
 # the 16-lane vector code on every CPU: the reference the AVX2 path must equal bit for bit
-_V16_LIBRARY = LazyLibrary("#define DSPARK_V16_GEMM 1\n" + FP_CONTRACT_OFF + _SOURCE, "compact_gemm_v16", _SIGNATURES,
+_V16_LIBRARY = LazyLibrary("#define DSPARK_V16_GEMM 1\n#define DSPARK_NATIVE_V16 1\n" + _SOURCE, "compact_gemm_v16", _SIGNATURES,
                            fallback="no v16 reference")
 
 

@@ -36,7 +36,7 @@ import ctypes
 
 import torch
 
-from dspark.model.attention import FP_CONTRACT_OFF, VECTOR_PRELUDE, LazyLibrary
+from dspark.model.attention import VECTOR_PRELUDE, LazyLibrary
 
 _SOURCE = VECTOR_PRELUDE + r"""
 #include <cmath>
@@ -50,20 +50,16 @@ inline v16 load_bf16(const uint16_t* p, int64_t n = W) {
   v16h h = {0};
   if (n == W) std::memcpy(&h, p, sizeof h);
   else std::memcpy(&h, p, n * sizeof(uint16_t));
-  v16u u = __builtin_convertvector(h, v16u) << 16;
-  v16 x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
+  return bits<v16>(widen(h) << 16);
 }
 
 // fp32 -> bf16 round to nearest even, NaN -> quiet NaN: what c10::BFloat16 (torch's .to) does
 inline void store_bf16(uint16_t* p, v16 x, int64_t n = W) {
-  v16u u;
-  std::memcpy(&u, &x, sizeof u);
+  const v16u u = bits<v16u>(x);
   const v16u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const v16u nan = (v16u)(x != x);  // all ones in NaN lanes
+  const v16u nan = bits<v16u>(x != x);  // all ones in NaN lanes
   const v16u out = (rounded & ~nan) | (0x7FC0u & nan);
-  v16h h = __builtin_convertvector(out, v16h);
+  v16h h = narrow(out);
   if (n == W) std::memcpy(p, &h, sizeof h);
   else std::memcpy(p, &h, n * sizeof(uint16_t));
 }
@@ -97,7 +93,7 @@ void dspark_add_rms_norm(float* x, int64_t x_stride, int64_t n, int64_t d,
 #pragma omp parallel for num_threads(threads_for(n * d, threads)) schedule(static)
   for (int64_t t = 0; t < n; ++t) {
     float* xr = x + t * x_stride;
-    v16 acc = {0};
+    v16 acc = {};
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t m = c + 1 < chunks ? W : d - c * W;
       v16 v = load(xr + c * W, m);
@@ -166,9 +162,9 @@ void dspark_silu_mul(const void* gu, int bf16, int64_t gu_stride, int64_t n, int
         const int64_t m = c + 1 < chunks ? W : len - c * W;
         const v16 x = load_act(gu, g + lo + c * W, bf16, m), up = load_act(gu, u + lo + c * W, bf16, m);
         // sigmoid without overflow: e = exp(-|x|) <= 1; 1 / (1 + e) for x >= 0, e / (1 + e) below
-        const v16 ax = x < 0.0f ? -x : x;
+        const v16 ax = select(x < 0.0f, -x, x);
         const v16 e = exp_nonpos(-ax);
-        const v16 sig = (x >= 0.0f ? splat(1.0f) : e) / (1.0f + e);
+        const v16 sig = select(x >= 0.0f, splat(1.0f), e) / (1.0f + e);
         store_act(out, dst + c * W, (x * sig) * up, bf16, m);
       }
     }
@@ -181,7 +177,7 @@ void dspark_silu_mul(const void* gu, int bf16, int64_t gu_stride, int64_t n, int
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float32)  # GEMM inputs/outputs: bf16 dense weights, fp32 compact ones
 
 _i64, _ptr, _i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-_LIBRARY = LazyLibrary(FP_CONTRACT_OFF + _SOURCE, "fused_ops", {
+_LIBRARY = LazyLibrary(_SOURCE, "fused_ops", {
     "dspark_add_rms_norm": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32, _ptr, ctypes.c_float, _ptr, _i32, _i32],
     "dspark_rope_split": [_ptr, _i32, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i32],
     "dspark_silu_mul": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32],
