@@ -80,15 +80,17 @@ class ResilientDrafter(Drafter):
     # ---- the Drafter contract ------------------------------------------------------------
 
     def add_request(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        self._known.add(request_id)
         if self.outage is not None:  # registered again when it answers (ResilientParts.before_round)
+            self._known.add(request_id)
             self._lost.add(request_id)
             return
         try:
             self.inner.add_request(request_id, token_ids, params)
         except PartFailure as e:
-            self.failed(e)
+            self._known.add(request_id)
+            self.failed(e)  # marks it lost, with every other request it held
             return
+        self._known.add(request_id)
         self._lost.discard(request_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:
@@ -307,8 +309,8 @@ class ResilientParts:
         outage, policy = self.verifier.outage, self.faults
         last_error = outage.error if outage is not None else "unknown"
         if outage is not None and outage.seconds > policy.verifier_timeout_s:
-            self._fail(lost, f"the verifier has not answered for {outage.seconds:.0f} s (limit {policy.verifier_timeout_s:.0f} s); "
-                             f"last error: {last_error}")
+            self._fail(lost, f"the verifier has not answered for {outage.seconds:.0f} s "
+                             f"(limit {policy.verifier_timeout_s:.0f} s); last error: {last_error}")
         worn = [s for s in lost if s.verifier_failures > policy.max_rebuilds]
         if worn:  # e.g. a request that crashes the verifier: it must not crash it forever
             self._fail(worn, f"the verifier failed {worn[0].verifier_failures} rounds of the request (at most "

@@ -37,6 +37,12 @@ def requests(max_new_tokens: int = 40) -> list[GenerationRequest]:
     return [GenerationRequest(f"r{i}", p, max_new_tokens, GREEDY) for i, p in enumerate(PROMPTS)]
 
 
+def start(engine: SpeculativeEngine) -> list:
+    for r in requests():
+        engine.add_request(r)
+    return list(engine.running.values())
+
+
 def plain(runtime) -> list[list[int]]:
     return [s.output_ids for s in SpeculativeEngine(runtime, None).generate(requests())]
 
@@ -119,7 +125,7 @@ def test_a_drafter_that_fails_mid_generation_costs_drafts_not_tokens(tiny_runtim
     expected = plain(tiny_runtime_factory())
     drafter = FlakyDrafter()
     engine = SpeculativeEngine(tiny_runtime_factory(), drafter, num_speculative_tokens=4, faults=FAST_RETRY)
-    states = [engine.running[r.request_id] for r in requests() if engine.add_request(r) is None]
+    states = start(engine)
     for _ in range(4):
         engine.step()
     drafter.down = True
@@ -138,13 +144,13 @@ def test_a_drafter_that_fails_mid_generation_costs_drafts_not_tokens(tiny_runtim
 
 
 @pytest.mark.parametrize("fail_rounds", [{3}, {3, 4}], ids=["once", "twice-in-a-row"])
-def test_a_verifier_that_loses_a_round_has_its_requests_rebuilt_with_no_token_lost_or_duplicated(tiny_runtime_factory,
-                                                                                                 fail_rounds):
+def test_a_verifier_that_loses_a_round_has_its_requests_rebuilt_with_no_token_lost_or_duplicated(
+        tiny_runtime_factory, fail_rounds):
     expected = plain(tiny_runtime_factory())
     runtime = tiny_runtime_factory()
     engine = SpeculativeEngine.from_parts(verifier=FlakyVerifier(runtime, fail_rounds), drafter=NgramDrafter(),
                                           num_speculative_tokens=4, faults=FAST_RETRY)
-    states = [engine.running[r.request_id] for r in requests() if engine.add_request(r) is None]
+    states = start(engine)
     lost = []
     while engine.has_unfinished:
         outputs = engine.step()
