@@ -181,8 +181,10 @@ def emit(s: RequestState, tokens: list[int], logprobs: TokenLogprobs | None = No
 def _gate_allows_drafting(gate: DraftGate | None, verifier: Verifier, decoding: list[RequestState],
                           prefilling: list[RequestState], gamma: int) -> bool:
     """The draft gate's decision for this round, from earlier rounds only (draft_gate.py)."""
-    profile = verifier.sps_profile
-    if gate is None or not decoding or profile is None:
+    if gate is None or not decoding:
+        return True
+    profile = verifier.sps_profile  # read only when needed: a remote verifier fetches it (one RPC, once)
+    if profile is None:
         return True
     prefill_tokens = sum(len(s.all_token_ids) for s in prefilling)  # a rebuild prefills prompt + output so far
     table = profile.table(upto=prefill_tokens + len(decoding) * (1 + max(gamma, 1)))  # [B_max]

@@ -249,13 +249,15 @@ class SpeculativeEngine:
             detail = None
             if observed.watched:  # the round feed's view, built only while someone watches
                 detail = lambda: RoundDetail(  # called by the observer, which logs any failure
-                    requests=request_rounds(result), schedule=result.schedule_trace, sps_profile=self.sps_profile,
+                    requests=self._request_rounds(result), schedule=result.schedule_trace, sps_profile=self.sps_profile,
                     running=len(self.running), drafting=result.drafting,
                     policy=self.policy.spec if self.policy is not None else None)
             observed.finish(num_draft_tokens=result.num_draft_tokens, num_accepted=result.num_decode_accepted,
                             num_emitted=result.num_emitted, prefill_tokens=result.prefill_tokens,
                             generated_tokens=sum(len(o.new_token_ids) for o in result.outputs), detail=detail)
             return result.outputs
+
+    _request_rounds = staticmethod(request_rounds)  # the round feed's per-request view, built only while watched
 
     # ---- faults (remote parts only: dspark/engine/resilience.py) ----------------------------
 
