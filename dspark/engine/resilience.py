@@ -24,6 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from dspark.drafters.base import Drafter, DrafterSpec, DraftProposal, DraftRequest
 from dspark.engine.faults import FaultPolicy, Outage, PartFailure, RequestsFailed, continuation_params
 from dspark.engine.requests import RequestState, kv_tokens_needed
@@ -107,7 +109,7 @@ class ResilientDrafter(Drafter):
         by_id = {r.request_id: p for r, p in zip(held, proposals)}
         return [by_id[r.request_id] if r.request_id in by_id else DraftProposal.empty() for r in requests]
 
-    def observe_many(self, features: dict) -> None:
+    def observe_many(self, features: dict[str, torch.Tensor]) -> None:  # request id -> [n_new, num_capture_layers, hidden]
         # A request it does not hold gets its features again when it is registered again.
         held = {rid: f for rid, f in features.items() if rid not in self._lost}
         if not held:
@@ -117,7 +119,7 @@ class ResilientDrafter(Drafter):
         except PartFailure as e:
             self.failed(e)
 
-    def observe(self, request_id: str, features) -> None:
+    def observe(self, request_id: str, features: torch.Tensor) -> None:  # [n_new, num_capture_layers, hidden]
         self.observe_many({request_id: features})
 
     def context_len(self, request_id: str) -> int:
