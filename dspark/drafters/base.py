@@ -137,6 +137,9 @@ class Drafter(ABC):
     (services/drafter/client.py) implements each method as one RPC."""
 
     spec: DrafterSpec
+    # False for a drafter in another process (services/drafter/client.py): its calls can fail for
+    # reasons that are not the request's, and the engine handles that (dspark/engine/resilience.py)
+    in_process: bool = True
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> list[DraftProposal]:

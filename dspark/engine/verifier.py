@@ -87,6 +87,11 @@ class Verifier(Protocol):
     hidden_size: int
     kv_budget_tokens: int
     sps_profile: SPSProfile | None
+    sampler_backend: str  # the rejection sampler it runs: "torch" | "triton"
+    # False for a verifier in another process: its calls can fail for reasons that are not the
+    # request's (PartFailure), and the engine handles that (dspark/engine/resilience.py)
+    in_process: bool
+    runtime: TargetRuntime | None  # the target, when it runs in this process
 
     @property
     def free_kv_tokens(self) -> int: ...
@@ -135,9 +140,11 @@ class _VerifierRequest:
     prefilled: bool = False
 
 
-class LocalVerifier:
+class LocalVerifier(Verifier):
     """The Verifier contract on a TargetRuntime in this process. Not thread-safe: one caller at a
     time (the engine thread, or the verifier service under its lock)."""
+
+    in_process = True
 
     def __init__(self, runtime: TargetRuntime, *, sampler_backend: str = "auto"):
         self.runtime = runtime

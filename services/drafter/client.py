@@ -31,6 +31,8 @@ __all__ = ["RemoteDrafter"]
 
 
 class RemoteDrafter(Drafter):
+    in_process = False  # its calls can fail (PartFailure): the engine wraps it (dspark/engine/resilience.py)
+
     def __init__(
         self,
         address: str,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from dspark.engine.verifier import VerifyBatch, VerifyResult
+from dspark.engine.verifier import Verifier, VerifyBatch, VerifyResult
 from dspark.profiling.sps import SPSProfile
 from dspark.protos import convert, validate
 from dspark.protos.dspark.v1 import verifier_pb2, verifier_pb2_grpc
@@ -32,7 +32,10 @@ __all__ = ["RemoteVerifier"]
 _NOT_FETCHED = object()
 
 
-class RemoteVerifier:
+class RemoteVerifier(Verifier):
+    in_process = False  # its calls can fail (PartFailure): the engine wraps it (dspark/engine/resilience.py)
+    runtime = None  # the target runs in the verifier service
+
     def __init__(
         self,
         address: str,
