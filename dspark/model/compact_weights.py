@@ -36,6 +36,7 @@ docs/results/compact_weights.md.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,13 @@ class CompactWeight:
     q: torch.Tensor  # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1)
     scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
     offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1, else None
+
+    @functools.cached_property
+    def kernel_args(self) -> tuple[int, int, int, int]:
+        """(format code, address of q, of scale, of offset) for the kernel: computed once, the
+        tensors are never replaced (a per-call rebuild was a tenth of a token's time)."""
+        address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
+        return FORMATS.index(self.format), address(self.q), address(self.scale), address(self.offset)
 
     @property
     def nbytes(self) -> int:
@@ -552,12 +560,13 @@ def _run(library: ctypes.CDLL, x: torch.Tensor, cw: CompactWeight, out: torch.Te
     m, k = x.shape
     if k != cw.in_features or x.dtype != torch.float32 or x.stride(1) != 1:
         raise ValueError(f"x must be fp32 [M, {cw.in_features}] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}")
+    n = cw.out_features
     if out is None:
-        out = torch.empty(m, cw.out_features)
-    assert out.dtype == torch.float32 and out.shape == (m, cw.out_features) and out.stride(1) == 1
-    ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-    library.dspark_compact_gemm(x.data_ptr(), x.stride(0), m, k, FORMATS.index(cw.format), cw.q.data_ptr(),
-                               ptr(cw.scale), ptr(cw.offset), cw.out_features, out.data_ptr(), out.stride(0),
+        out = torch.empty(m, n)
+    else:
+        assert out.dtype == torch.float32 and out.shape == (m, n) and out.stride(1) == 1
+    fmt, q, scale, offset = cw.kernel_args
+    library.dspark_compact_gemm(x.data_ptr(), x.stride(0), m, k, fmt, q, scale, offset, n, out.data_ptr(), out.stride(0),
                                torch.get_num_threads())
     return out
 
