@@ -75,7 +75,19 @@ def _reaching(what: str) -> Iterator[None]:
     try:
         yield
     except (RedisConnectionError, RedisTimeoutError) as e:
+        if _being_cancelled():  # redis-py drops the connection of a cancelled read: that error is the cancel
+            raise asyncio.CancelledError() from e
         raise BusUnavailable(f"{what}: Redis is unreachable: {e}") from None
+
+
+def _being_cancelled() -> bool:
+    """Whether the running task has a cancel pending. A retry loop that took the connection error a
+    cancel leaves as an outage would swallow the cancel and retry forever (a hung watcher)."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running event loop
+        return False
+    return task is not None and task.cancelling() > 0
 
 # KEYS: requests stream, state hash. ARGV: request JSON, max queue, pending TTL (ms).
 _SUBMIT = """

@@ -48,3 +48,32 @@ async def test_a_malformed_request_entry_is_dropped(redis_bus_factory):
     deliveries = await bus.consume("a", max_count=5, block_s=1.0)
     assert [d.request.request_id for d in deliveries] == ["cmpl-ok"]
     assert await bus.queue_depth() == 1  # only the good one is left (pending)
+
+
+async def test_the_connection_error_of_a_cancelled_read_is_the_cancel_and_others_are_outages():
+    """redis-py drops the connection of a read it is cancelled in, and the read may end with a
+    ConnectionError: taken for an outage, a retry loop (the round view's watcher) would swallow the
+    cancel and retry forever. A connection error with no cancel pending stays BusUnavailable."""
+    import asyncio
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from dspark.bus.base import BusUnavailable
+    from dspark.bus.redis_bus import _reaching
+
+    async def read_ended_by_a_connection_error() -> None:
+        with _reaching("round view"):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                raise RedisConnectionError("Connection closed by server.") from None
+
+    task = asyncio.ensure_future(read_ended_by_a_connection_error())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+
+    with pytest.raises(BusUnavailable):
+        with _reaching("round view"):
+            raise RedisConnectionError("Connection refused")
