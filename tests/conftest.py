@@ -87,6 +87,21 @@ def q8_0_exact(w: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(w.shape)
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo), empty where they cannot be read: for tests of a
+    kernel spelling that is built only on some CPUs (the AVX2 pairs of dspark/model/attention.py)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def avx2_without_avx512() -> bool:
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def compact_exact_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`sd` with every linear weight on the Q4_1 grid and the embedding on Q8_0's: a checkpoint
     like the default model's, whose weights compact exactly (Transformer.use_compact_weights)."""

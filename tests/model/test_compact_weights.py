@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark.model import compact_weights as cw
-from tests.conftest import q4_1_exact, q8_0_exact
+from tests.conftest import avx2_without_avx512, q4_1_exact, q8_0_exact
 
 pytestmark = pytest.mark.skipif(not cw.available(), reason="no C++ compiler: compact weights stay dense")
 
@@ -74,15 +74,7 @@ def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt
 
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or "avx512f" in _cpu_flags(),
+@pytest.mark.skipif(not avx2_without_avx512(),
                     reason="the AVX2 spelling of the kernel is built only on AVX2 CPUs without AVX-512")
 @pytest.mark.parametrize("fmt", cw.FORMATS)
 def test_the_avx2_kernel_gives_the_bits_of_the_16_lane_code(fmt):

@@ -13,15 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import avx2_without_avx512
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
 
 
 # One prefill and one 10-token verify-shaped step of a tiny model, in every kernel path: compact
@@ -50,11 +44,11 @@ def _forwards(tmp_path: Path, native: bool) -> dict:
     path = tmp_path / f"native{int(native)}.pt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "DSPARK_NATIVE_V16": "1" if native else "0"}
     subprocess.run([sys.executable, "-c", _FORWARDS, str(path)], cwd=REPO, env=env, check=True, timeout=600)
-    return torch.load(path)
+    return torch.load(path, weights_only=True)
 
 
 @pytest.mark.processes
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or "avx512f" in _cpu_flags(),
+@pytest.mark.skipif(not avx2_without_avx512(),
                     reason="the 8-lane pairs are built only on AVX2 CPUs without AVX-512")
 def test_the_avx2_pairs_give_the_bits_of_the_native_16_lane_vectors(tmp_path):
     pairs, native = _forwards(tmp_path, native=False), _forwards(tmp_path, native=True)
