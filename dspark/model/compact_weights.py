@@ -386,13 +386,22 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
   const int64_t nc = M == 1 ? 4 : 2;
   const int64_t tiles = N / nc, tail = N - tiles * nc;
   const int use = (M * N * K < (1 << 18)) ? 1 : threads;
-#pragma omp parallel for num_threads(use) schedule(static)
-  for (int64_t t = 0; t < tiles + tail; ++t) {
-    if (t < tiles) {
-      if (nc == 4) row_times_4_columns<FMT>(x, K, q, d, mn, t * 4, y);  // M == 1
-      else column_tile<FMT, 2>(x, ldx, M, K, q, d, mn, t * 2, y, ldy);
-    } else {
-      column_tile<FMT, 1>(x, ldx, M, K, q, d, mn, tiles * nc + (t - tiles), y, ldy);
+  // rows in blocks whose x stays in L2 (~128 KB) while every column passes over them
+  int64_t block = (32768 / K) / 8 * 8;
+  if (block < 8) block = 8;
+#pragma omp parallel num_threads(use)
+  for (int64_t r0 = 0; r0 < M; r0 += block) {
+    const int64_t m = M - r0 < block ? M - r0 : block;
+    const float* xb = x + r0 * ldx;
+    float* yb = y + r0 * ldy;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tiles + tail; ++t) {
+      if (t < tiles) {
+        if (nc == 4) row_times_4_columns<FMT>(x, K, q, d, mn, t * 4, y);  // M == 1
+        else column_tile<FMT, 2>(xb, ldx, m, K, q, d, mn, t * 2, yb, ldy);
+      } else {
+        column_tile<FMT, 1>(xb, ldx, m, K, q, d, mn, tiles * nc + (t - tiles), yb, ldy);
+      }
     }
   }
 }
@@ -489,17 +498,27 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
     }
     return;
   }
-#pragma omp parallel for num_threads(use) schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4) tile<FMT, 4, 1>(x + r * ldx, ldx, K, q, d, mn, n, y + r * ldy, ldy);
-    const float* xr = x + r * ldx;
-    float* yr = y + r * ldy;
-    switch (M - r) {
-      case 3: tile<FMT, 3, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
-      case 2: tile<FMT, 2, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
-      case 1: tile<FMT, 1, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
-      default: break;
+  // rows in blocks whose x stays in L2 (~128 KB) while every column passes over them: with all M
+  // rows per column, a prefill's x (MBs) came from memory once per column (2.5x slower at M = 512)
+  int64_t block = (32768 / K) / 4 * 4;
+  if (block < 4) block = 4;
+#pragma omp parallel num_threads(use)
+  for (int64_t r0 = 0; r0 < M; r0 += block) {
+    const int64_t m = M - r0 < block ? M - r0 : block;
+    const float* xb = x + r0 * ldx;
+    float* yb = y + r0 * ldy;
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      int64_t r = 0;
+      for (; r + 4 <= m; r += 4) tile<FMT, 4, 1>(xb + r * ldx, ldx, K, q, d, mn, n, yb + r * ldy, ldy);
+      const float* xr = xb + r * ldx;
+      float* yr = yb + r * ldy;
+      switch (m - r) {
+        case 3: tile<FMT, 3, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+        case 2: tile<FMT, 2, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+        case 1: tile<FMT, 1, 1>(xr, ldx, K, q, d, mn, n, yr, ldy); break;
+        default: break;
+      }
     }
   }
 }

@@ -55,12 +55,13 @@ def test_the_kernel_computes_x_times_w_transposed_in_fp32(fmt, n):
 
 
 @pytest.mark.parametrize("fmt", cw.FORMATS)
-def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt):
+@pytest.mark.parametrize("k", [160, 1536])  # 1536: rows go through the kernel in blocks of 16-20 (x kept in L2)
+def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt, k):
     """The property greedy speculative decoding rests on: a verify batch of M rows gives each row
     exactly what plain decoding (one row) gives it, at any M and thread count."""
-    w = _weights(fmt, 67, 160, seed=3)  # an odd column count: tail columns of every tile width
+    w = _weights(fmt, 67, k, seed=3)  # an odd column count: tail columns of every tile width
     c = cw.compact(w, formats=(fmt,))
-    x = torch.randn(70, 160, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -80,11 +81,13 @@ def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt
 def test_the_avx2_kernel_gives_the_bits_of_the_16_lane_code(fmt):
     """On AVX2 the kernel is spelled on 8-lane register pairs (compact_weights.py); it must be the
     16-lane code's arithmetic exactly, so an AVX2 and an AVX-512 machine compute the same logits."""
-    w = _weights(fmt, 67, 160, seed=5)
-    c = cw.compact(w, formats=(fmt,))
-    for m in (1, 2, 3, 4, 5, 8, 13):
-        x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m))
-        assert torch.equal(cw.matmul(x, c), cw.v16_matmul(x, c)), f"M = {m}"
+    for k, rows in ((160, (1, 2, 3, 4, 5, 8, 13)), (1536, (21, 70))):  # 1536: several row blocks
+        w = _weights(fmt, 67, k, seed=5)
+        c = cw.compact(w, formats=(fmt,))
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(cw.matmul(x, c), cw.v16_matmul(x, c)), f"K = {k}, M = {m}"
+
 
 def test_a_strided_input_and_output_are_read_and_written_in_place():
     c = cw.compact(_weights("q4_1", 48, 64))
