@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.model import attention, compact_weights, fused_ops
+from dspark.model import attention, compact_weights, fused_ops, layer_loop
 from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import RequestKV
 
@@ -409,8 +409,25 @@ class Transformer(nn.Module):
             return hidden, stacked
         return hidden, None
 
+    def native_layer_loop(self) -> "layer_loop.LayerLoop | None":
+        """The C++ layer loop (dspark/model/layer_loop.py) where it serves this model (compact,
+        fused, batched attention; DSPARK_LAYER_LOOP unset or 1): the same kernel calls as
+        _forward_fused's Python loop, bit for bit, without ~4 ms a step of Python. Rebuilt when
+        the mode it depends on changes."""
+        key = (self.compact, self.fused, self.attention, layer_loop.enabled())
+        cached = self.__dict__.get("_layer_loop")
+        if cached is None or cached[0] != key:
+            loop = layer_loop.LayerLoop.for_model(self) if layer_loop.enabled() else None
+            self.__dict__["_layer_loop"] = cached = (key, loop)
+        return cached[1]
+
     def _forward_fused(self, token_ids, positions, meta, capture_layers):
         # The same computation as forward() with the ops between GEMMs fused (fused_ops.py).
+        loop, plan = self.native_layer_loop(), meta.kernel_plan()
+        if loop is not None and plan is not None:
+            x = self.embed(token_ids)  # [num_tokens, hidden] fp32, a fresh tensor
+            freqs = positions.float().unsqueeze(1) * self.inv_freq  # [num_tokens, head_dim // 2]
+            return loop.run(x, freqs.cos(), freqs.sin(), self.final_norm, plan, tuple(capture_layers))
         # The residual x is updated in place; h, q, k, v and act are reused by every layer
         # (each is consumed before the next layer overwrites it). GEMM inputs and outputs are in
         # the linear layers' dtype: bf16 for dense bf16 weights, fp32 for compact ones.
