@@ -89,6 +89,33 @@ def _being_cancelled() -> bool:
         return False
     return task is not None and task.cancelling() > 0
 
+
+_REPLY_GRACE_S = 2.0  # a blocking read's reply is overdue this long after its BLOCK timeout
+
+
+async def _read_within(read: Awaitable[T], due_s: float) -> T:
+    """`await read` (a blocking XREAD whose reply is due within `due_s`) in a task of its own.
+
+    A cancel of the caller lands on our wait, not inside redis-py: under anyio, redis-py 8 can lose
+    a cancel that lands in a read and then wait forever on its connection (a round watcher that
+    never ended hung CI). A reply overdue by _REPLY_GRACE_S is a RedisTimeoutError (an outage:
+    the callers retry), and the abandoned read is cancelled and left to end on its own."""
+    task = asyncio.ensure_future(read)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=due_s + _REPLY_GRACE_S)
+    finally:
+        if not task.done():
+            task.cancel()
+        task.add_done_callback(_retrieve)  # an abandoned read's error is nobody's: no "never retrieved" warning
+    if not done:
+        raise RedisTimeoutError(f"no reply {due_s + _REPLY_GRACE_S:.1f} s after a blocking read")
+    return task.result()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
+
 # KEYS: requests stream, state hash. ARGV: request JSON, max queue, pending TTL (ms).
 _SUBMIT = """
 if redis.call('EXISTS', KEYS[2]) == 1 then return redis.error_reply('DSPARK_DUPLICATE') end
@@ -276,7 +303,8 @@ class RedisBus(Bus):
         while True:
             block = None if finished else _ms(self.tail_block_s)
             response = await self._reconnecting(
-                where, lambda last=last, block=block: self.redis.xread({out_key: last}, count=512, block=block))
+                where, lambda last=last, block=block: _read_within(
+                    self.redis.xread({out_key: last}, count=512, block=block), (block or 0) / 1000))
             if not response:
                 if finished:
                     return
@@ -431,7 +459,8 @@ class RedisBus(Bus):
                         newest = await self.redis.xrevrange(self.rounds_key, count=1)
                         last = newest[0][0] if newest else "0-0"
                     block = _ms(min(self.tail_block_s, self.round_watch_ttl_s / 3))
-                    response = await self.redis.xread({self.rounds_key: last}, count=512, block=block)
+                    response = await _read_within(
+                        self.redis.xread({self.rounds_key: last}, count=512, block=block), block / 1000)
             except BusUnavailable as e:
                 log.warning("round view: %s; retrying", e)
                 await asyncio.sleep(1.0)
