@@ -1,54 +1,92 @@
 """The drafters' GEMMs at serving time: every linear layer and the vocabulary projections
-through oneDNN's prepacked fp32 path (`SplitKLinear`, the target's own GEMM), not MKL's sgemm.
+through a row-invariant kernel that is fast at a handful of rows, not MKL's sgemm.
 
-Why: a drafting round multiplies a handful of rows (γ per request) by each weight, and MKL's
-fp32 sgemm is slow there. Measured on an AMD EPYC (avx512_bf16, 2 threads, torch 2.13):
-[7, 576] x [576, 8192] (the draft-vocabulary LM head) 6.4 ms plain, 0.78 ms packed;
-[7, 576] x [576, 3072] (gate/up) 0.63 -> 0.17 ms; the LM head alone was a third of a round.
-`DSPARK_DRAFTER_GEMMS=plain` keeps the plain layers (for A/B runs of benchmarks/bench_drafter.py).
+Which kernel, per weight (`serving_gemm`):
+- the compact kernel (dspark/model/compact_weights.py) where the weight has an exact compact
+  format: a checkpoint stored in bf16 (the shipped drafter's is: every fp32 weight it loads is a
+  bf16 value) and the target's q8_0 LM head rows. The same fp32 weights read from 2 (bf16) or
+  1.125 (q8_0) bytes instead of 4;
+- otherwise oneDNN's prepacked fp32 path (`SplitKLinear`, the target's dense GEMM): weights
+  trained and kept in fp32 (the tests' random drafters).
+Both give a row the same bits whatever the other rows (a seeded request draws the same drafts
+alone or batched): the compact kernel by construction, packed fp32 weights for reductions up to
+1024 (longer ones are split in fixed chunks); tests/drafters/test_serving_gemms.py checks both
+at the drafters' shapes. Neither changes a weight, so the serving drafter samples from the
+distribution training fits (tests/drafters/test_serving_matches_training.py).
 
-Exactness does not depend on these numbers: a proposal carries the rows its tokens were
-sampled from, and the verifier corrects against them (docs/method.md §1). What must hold is
-that a request's rows do not depend on the other requests in the batch (a seeded request
-draws the same drafts alone or batched): fp32 weights packed for batch 8 give row-invariant
-results for reductions up to 1024 (longer ones are split in fixed chunks), checked in
-tests/drafters/test_serving_gemms.py at the drafters' shapes. Training never uses this path
-(no autograd through packed weights): `prepare_for_serving` is called by the serving
-drafters' `load`, on their own copy of the model.
+Why not the plain layers: a drafting round multiplies γ rows per request by each weight. On an
+AMD EPYC (avx512_bf16, torch 2.13) MKL's sgemm took 6.4 ms for [7, 576] x [576, 8192] (the draft
+vocabulary's LM head), oneDNN packed 0.78 ms. On an Intel Xeon (AMX, 2 threads) MKL is not slow
+there, but the shipped drafter's round went 6.9 -> see docs/results/forward.md with the compact
+kernel (`python benchmarks/bench_drafter.py --checkpoint`), for its fewer bytes.
+`DSPARK_DRAFTER_GEMMS=packed` skips the compact kernel, `=plain` keeps the plain layers (A/B runs).
+
+Training never uses this path (no autograd through either): `prepare_for_serving` is called by
+the serving drafters' `load`, on their own copy of the model.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from dspark.model import compact_weights
 from dspark.model.transformer import SplitKLinear
 
-
 # A packed call costs ~50 µs of fixed overhead here: a layer with few outputs (the confidence
-# head's single logit: 4 µs plain) is faster as it is. The sequential head's x W2 at one row per
-# request (61 µs plain, 95 µs packed for [1, 64] x [64, 8192]) stays plain for the same reason.
+# head's single logit: 4 µs plain) is faster as it is.
 MIN_OUT_FEATURES = 64
-ENABLED = os.environ.get("DSPARK_DRAFTER_GEMMS", "packed") != "plain"
+_MODE = os.environ.get("DSPARK_DRAFTER_GEMMS", "auto")  # auto (compact where exact, else packed) | packed | plain
+if _MODE not in ("auto", "packed", "plain"):
+    raise ValueError(f"DSPARK_DRAFTER_GEMMS must be auto, packed or plain, got {_MODE!r}")
+ENABLED = _MODE != "plain"
+
+Gemm = Callable[[torch.Tensor], torch.Tensor]  # x [n, in] fp32 -> x Wᵀ (+ b) [n, out] fp32
 
 
-class PackedLinear(nn.Module):
-    """An nn.Linear's y = x Wᵀ + b through a prepacked SplitKLinear, for inputs of any leading
-    shape. Keeps the original `weight` (and `bias`) readable: code that slices the weight (a
-    layer's context keys/values use W_K, W_V alone) still works, on the plain path."""
+class ServingLinear(nn.Module):
+    """An nn.Linear's y = x Wᵀ + b through `serving_gemm`, for inputs of any leading shape. Keeps
+    the original `weight` (and `bias`) readable: code that slices the weight (a layer's context
+    keys/values use W_K, W_V alone) still works."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.__dict__["gemm"] = packed_gemm(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        self.__dict__["gemm"] = serving_gemm(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features] fp32
         y = self.__dict__["gemm"](x.reshape(-1, self.in_features).float())  # [prod(...), out_features]
         return y.view(*x.shape[:-1], self.out_features)
+
+
+class CompactGemm:
+    """x -> x Wᵀ (+ b) through the compact kernel, W in its exact compact format."""
+
+    def __init__(self, weight: compact_weights.CompactWeight, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias  # bias: [out] fp32 or None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, in] -> [n, out] fp32
+        y = compact_weights.matmul(x.float().contiguous(), self.weight)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def __repr__(self) -> str:
+        return f"CompactGemm({self.weight.in_features}, {self.weight.out_features}, format={self.weight.format})"
+
+
+def serving_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Gemm:
+    """x -> x Wᵀ (+ b) [n, out] fp32 for weight [out, in]: the compact kernel where the weight has
+    an exact compact format, else oneDNN's prepacked fp32 path (module docstring)."""
+    if _MODE == "auto" and compact_weights.available():
+        found = compact_weights.compact(weight)
+        if found is not None:
+            return CompactGemm(found, None if bias is None else bias.detach().float().contiguous())
+    return packed_gemm(weight, bias)
 
 
 def packed_gemm(weight: torch.Tensor, bias: torch.Tensor | None = None) -> SplitKLinear:
@@ -66,15 +104,15 @@ def available(model: nn.Module) -> bool:
 
 
 def prepare_for_serving(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear of `model` (in place) for a PackedLinear; returns the model. Only on
+    """Swap every nn.Linear of `model` (in place) for a ServingLinear; returns the model. Only on
     the CPU: elsewhere the plain layers are already the fast path."""
     if not available(model):
         return model
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.out_features >= MIN_OUT_FEATURES:
-                setattr(parent, name, PackedLinear(child))
+                setattr(parent, name, ServingLinear(child))
     return model
 
 
-__all__ = ["PackedLinear", "available", "packed_gemm", "prepare_for_serving"]
+__all__ = ["CompactGemm", "ServingLinear", "available", "packed_gemm", "prepare_for_serving", "serving_gemm"]

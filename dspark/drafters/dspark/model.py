@@ -185,6 +185,7 @@ class DraftLayer(nn.Module):
         if c.qk_norm:
             self.q_norm = nn.Parameter(torch.ones(c.head_dim))
             self.k_norm = nn.Parameter(torch.ones(c.head_dim))
+        self.__dict__["kv_gemm"] = None  # serving: H_ctx -> [W_K; W_V] H_ctx, row-invariant (dspark/drafters/serving_gemms.py)
 
     def _norm_heads(self, x: torch.Tensor, weight_name: str) -> torch.Tensor:
         # x: [..., heads, head_dim]; per-head RMSNorm when the target uses qk-norm (Qwen3)
@@ -199,7 +200,12 @@ class DraftLayer(nn.Module):
         keys (no W_Q: the context never queries). Position-wise, so serving caches them."""
         c = self.config
         rows, ctx_len, _ = context.shape
-        k_ctx, v_ctx = F.linear(context, self.qkv_proj.weight[c.q_size :]).split([c.kv_size, c.kv_size], dim=-1)
+        gemm = self.__dict__["kv_gemm"]
+        if gemm is None:
+            kv = F.linear(context, self.qkv_proj.weight[c.q_size :])  # [rows, L, 2 * kv_size]
+        else:
+            kv = gemm(context.reshape(-1, c.hidden_size)).view(rows, ctx_len, 2 * c.kv_size)
+        k_ctx, v_ctx = kv.split([c.kv_size, c.kv_size], dim=-1)
         k_ctx = self._norm_heads(k_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim), "k_norm")
         return apply_rope(k_ctx, *context_rope), v_ctx.view(rows, ctx_len, c.num_kv_heads, c.head_dim)
 

@@ -42,13 +42,16 @@ class DSparkServingDrafter(Drafter):
         greedy_temperatures: torch.Tensor | None = None,  # [γ] of greedy requests; None = use `temperatures`
         logits_fn=None,  # hidden [n, d] -> U [n, V]: the target's packed LM head; None = the model's own matmul
     ):
-        # the model is taken over for serving: its GEMMs are prepacked in place (serving_gemms.py)
+        # the model is taken over for serving: its GEMMs swapped in place for row-invariant fast ones (serving_gemms.py)
         self.model = serving_gemms.prepare_for_serving(model.eval())
         if isinstance(model, DSparkDrafter) and serving_gemms.available(model):  # the sequential head's x W2, all rows at once
-            model.head.__dict__["w2_gemm"] = serving_gemms.packed_gemm(model.head.w2.detach().t())  # x W2 = x (W2ᵀ)ᵀ
+            model.head.__dict__["w2_gemm"] = serving_gemms.serving_gemm(model.head.w2.detach().t())  # x W2 = x (W2ᵀ)ᵀ
+        if serving_gemms.available(model):  # each layer's context keys/values: W_K, W_V rows of its qkv weight
+            for layer in model.layers:
+                layer.__dict__["kv_gemm"] = serving_gemms.serving_gemm(layer.qkv_proj.weight.detach()[model.config.q_size :])
         draft_vocabulary = isinstance(model, DSparkDrafter) and model.draft_to_target is not None
-        if logits_fn is None and draft_vocabulary and serving_gemms.available(model):  # its N rows of the LM head, packed
-            logits_fn = serving_gemms.packed_gemm(model.draft_lm_head().detach())
+        if logits_fn is None and draft_vocabulary and serving_gemms.available(model):  # its N rows of the LM head
+            logits_fn = serving_gemms.serving_gemm(model.draft_lm_head().detach())
         self.logits_fn = logits_fn
         self.temperatures = temperatures
         self.greedy_temperatures = greedy_temperatures if greedy_temperatures is not None else temperatures
