@@ -163,7 +163,12 @@ class ResilientVerifier(Verifier):
 
     @property
     def sps_profile(self) -> SPSProfile | None:
-        return self.inner.sps_profile
+        # A remote verifier fetches its profile on first use, inside a round (the draft gate, the
+        # policy): a failed fetch loses the round as a failed verify does, before anything is emitted.
+        try:
+            return self.inner.sps_profile
+        except PartFailure as e:
+            raise RoundLost(e) from e
 
     @sps_profile.setter
     def sps_profile(self, profile: SPSProfile | None) -> None:

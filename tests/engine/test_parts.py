@@ -161,3 +161,46 @@ def test_a_verifier_that_loses_a_round_has_its_requests_rebuilt_with_no_token_lo
     assert [s.output_ids for s in states] == expected
     assert all(s.verifier_failures == len(fail_rounds) for s in states)
     assert engine.verifier_outage is None and runtime.kv.reserved_tokens == 0
+
+
+class ProfileFetchFailingVerifier(LocalVerifier):
+    """A verifier whose SPS profile cannot be read while `down`: a remote verifier fetches it on
+    first use (services/verifier/client.py), and that call can fail like any other."""
+
+    in_process = False
+
+    def __init__(self, runtime):
+        super().__init__(runtime, sampler_backend="torch")
+        self.down = False
+        self._profile = None
+
+    @property
+    def sps_profile(self):
+        if self.down:
+            raise PartFailure("GetSPSProfile: verifier unreachable")
+        return self._profile
+
+    @sps_profile.setter
+    def sps_profile(self, profile):
+        self._profile = profile
+
+
+def test_a_failed_fetch_of_the_sps_profile_loses_the_round_like_a_failed_verify(tiny_runtime_factory):
+    from dspark.scheduling.policies import parse_policy
+
+    expected = plain(tiny_runtime_factory())
+    verifier = ProfileFetchFailingVerifier(tiny_runtime_factory())
+    engine = SpeculativeEngine.from_parts(verifier=verifier, drafter=NgramDrafter(), num_speculative_tokens=4,
+                                          policy=parse_policy("fixed:2"), faults=FAST_RETRY)
+    states = start(engine)
+    for _ in range(3):
+        engine.step()
+    verifier.down = True
+    assert engine.step() == []  # the round is lost, not the step: no exception escapes to the caller
+    assert engine.verifier_outage is not None and all(s.needs_rebuild for s in states)
+    verifier.down = False
+    while engine.has_unfinished:
+        engine.step()
+        time.sleep(engine.stalled_for_s())
+    assert [s.output_ids for s in states] == expected
+    assert engine.verifier_outage is None
