@@ -68,8 +68,10 @@ class InProcessParts:
             raise
 
     def free(self, request_ids: list[str]) -> None:
-        self.verifier.remove_request(request_ids)
-        self.drafter.remove_requests(request_ids)
+        try:
+            self.verifier.remove_request(request_ids)
+        finally:  # a verifier that failed to free must not leave the drafter holding them too
+            self.drafter.remove_requests(request_ids)
 
     def before_round(self, table: list[RequestState]) -> bool:
         return True

@@ -210,11 +210,14 @@ class SpeculativeEngine:
 
     def _release(self, request_ids: list[str]) -> None:
         """Free finished or aborted requests everywhere: one verifier call (and one drafter call
-        when the drafter takes a batch) for all of them."""
-        self._parts.free(request_ids)
-        if self.policy is not None:
-            for rid in request_ids:
-                self.policy.remove_request(rid)
+        when the drafter takes a batch) for all of them. The policy forgets them even if a part
+        failed to free them (that failure is raised: AsyncEngine._safe_abort retries the verifier)."""
+        try:
+            self._parts.free(request_ids)
+        finally:
+            if self.policy is not None:
+                for rid in request_ids:
+                    self.policy.remove_request(rid)
 
     @property
     def has_unfinished(self) -> bool:

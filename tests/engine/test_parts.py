@@ -204,3 +204,43 @@ def test_a_failed_fetch_of_the_sps_profile_loses_the_round_like_a_failed_verify(
         time.sleep(engine.stalled_for_s())
     assert [s.output_ids for s in states] == expected
     assert engine.verifier_outage is None
+
+
+class FreeFailingVerifier(LocalVerifier):
+    """An in-process verifier whose remove_request fails while `fail_free` (a bug, an assertion)."""
+
+    def __init__(self, runtime):
+        super().__init__(runtime, sampler_backend="torch")
+        self.fail_free = False
+
+    def remove_request(self, request_ids):
+        if self.fail_free:
+            raise RuntimeError("remove_request failed")
+        return super().remove_request(request_ids)
+
+
+class RemovalRecordingDrafter(NgramDrafter):
+    def __init__(self):
+        super().__init__()
+        self.removed: list[str] = []
+
+    def remove_requests(self, request_ids):
+        self.removed += request_ids
+        super().remove_requests(request_ids)
+
+
+def test_an_abort_whose_verifier_free_fails_still_frees_the_drafter_and_the_policy(tiny_runtime_factory):
+    from dspark.scheduling.policies import parse_policy
+
+    verifier, drafter = FreeFailingVerifier(tiny_runtime_factory()), RemovalRecordingDrafter()
+    policy = parse_policy("fixed:2")
+    forgotten = []
+    policy_remove = policy.remove_request
+    object.__setattr__(policy, "remove_request", lambda rid: (forgotten.append(rid), policy_remove(rid)))
+    engine = SpeculativeEngine.from_parts(verifier=verifier, drafter=drafter, num_speculative_tokens=4, policy=policy)
+    start(engine)
+    engine.step()
+    verifier.fail_free = True
+    with pytest.raises(RuntimeError, match="remove_request failed"):
+        engine.abort("r0")  # the failure is the caller's to see (AsyncEngine._safe_abort logs it and retries)
+    assert "r0" not in engine.running and drafter.removed == ["r0"] and forgotten == ["r0"]
