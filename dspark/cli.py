@@ -118,10 +118,11 @@ def run_generate(config: ServingConfig, args: argparse.Namespace) -> int:
         return 2
     if policy is not None and policy.needs_sps_profile:
         engine.sps_profile = profile_sps(runtime, max_batch=2 * (gamma + 1), tokens_per_request=gamma + 1)
-    request = GenerationRequest("cli", prompt_ids, args.max_tokens, params, stop_token_ids=tokenizer.eos_token_ids)
+    request = GenerationRequest("cli", prompt_ids, args.max_tokens, params, stop_token_ids=tokenizer.eos_token_ids,
+                                logprobs=args.logprobs)
     t0 = time.perf_counter()
     try:
-        (state,) = engine.generate([request])
+        state, logprobs = _generate_one(engine, request)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -140,15 +141,48 @@ def run_generate(config: ServingConfig, args: argparse.Namespace) -> int:
             "accepted_tokens": state.accepted_tokens,
             "elapsed_s": elapsed,
             "tokens_per_s": len(state.output_ids) / elapsed if elapsed > 0 else None,
+            **({} if logprobs is None else {"logprobs": _logprobs_json(tokenizer, state.output_ids, logprobs)}),
         }))
     else:
         print(text)
+        if logprobs is not None:  # the target's log-probability of each emitted token (and its alternatives)
+            for entry in _logprobs_json(tokenizer, state.output_ids, logprobs)["content"]:
+                alternatives = "  ".join(f"{a['token']!r} {a['logprob']:.3f}" for a in entry["top_logprobs"])
+                print(f"{entry['token']!r}\t{entry['logprob']:.4f}" + (f"\t[{alternatives}]" if alternatives else ""),
+                      file=sys.stderr)
         print(
             f"[{len(state.output_ids)} tokens in {elapsed:.2f}s, {len(state.output_ids) / elapsed:.1f} tok/s, "
             f"{state.rounds} rounds, mean accepted length {state.mean_accepted_length:.2f}]",
             file=sys.stderr,
         )
     return 0
+
+
+def _generate_one(engine, request):
+    """Run one request to completion; its final state and, if it asked, the log-probabilities of
+    its tokens (collected from the rounds' outputs, one entry per emitted token)."""
+    from dspark.sampling.logprobs import TokenLogprobs
+
+    engine.add_request(request)
+    state = engine.running[request.request_id]
+    collected = None if request.logprobs is None else TokenLogprobs.empty()
+    while engine.has_unfinished:
+        for out in engine.step():
+            if collected is not None and out.logprobs is not None:
+                collected = TokenLogprobs(collected.logprobs + out.logprobs.logprobs, collected.top_ids + out.logprobs.top_ids,
+                                          collected.top_logprobs + out.logprobs.top_logprobs)
+        if (stalled := engine.stalled_for_s()) > 0:
+            time.sleep(stalled)
+    return state, collected
+
+
+def _logprobs_json(tokenizer, token_ids: list[int], logprobs) -> dict:
+    # the shape of OpenAI's chat logprobs: {"content": [{token, logprob, top_logprobs: [{token, logprob}]}]}
+    return {"content": [
+        {"token": tokenizer.decode([tid]), "token_id": tid, "logprob": lp,
+         "top_logprobs": [{"token": tokenizer.decode([a]), "token_id": a, "logprob": alp} for a, alp in zip(ids, lps)]}
+        for tid, lp, ids, lps in zip(token_ids, logprobs.logprobs, logprobs.top_ids, logprobs.top_logprobs)
+    ]}
 
 
 def cmd_profile(args) -> int:
@@ -216,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="also print the target's log-probability of each token and its K most likely alternatives (0-20)")
     # one prompt: all γ drafts verified unless --policy says otherwise (no SPS profile to wait for)
     add_config_arguments(g, command_defaults={"scheduler": {"policy": ""}})
     _add_engine_args(g)

@@ -103,3 +103,23 @@ def test_the_policy_defaults_to_plain_decoding_without_a_drafter(argv, env, poli
     from dspark.cli import resolve_for
 
     assert resolve_for(argv[0], argv[1:], env=env).scheduler.policy == policy
+
+
+@pytest.mark.slow
+def test_generate_logprobs_gives_each_tokens_target_logprob_and_its_alternatives(capsys, real_model_dir):
+    plain = generate_json(capsys, "--drafter", "none")
+    speculative = generate_json(capsys, "--drafter", "ngram", "--logprobs", "3")
+    assert speculative["token_ids"] == plain["token_ids"] and "logprobs" not in plain
+    content = speculative["logprobs"]["content"]
+    assert [e["token_id"] for e in content] == speculative["token_ids"]
+    for e in content:
+        alternatives = e["top_logprobs"]
+        assert len(alternatives) == 3 and all(a["logprob"] <= 0 for a in alternatives)
+        assert [a["logprob"] for a in alternatives] == sorted((a["logprob"] for a in alternatives), reverse=True)
+        # greedy: the emitted token is the target's most likely one, with the same log-probability
+        assert alternatives[0]["token_id"] == e["token_id"] and alternatives[0]["logprob"] == pytest.approx(e["logprob"])
+
+
+def test_generate_refuses_more_logprobs_than_the_engine_computes(capsys):
+    assert main(["generate", "hi", "--max-tokens", "2", "--logprobs", "99"]) == 2
+    assert "logprobs must be None or in [0, 20]" in capsys.readouterr().err
