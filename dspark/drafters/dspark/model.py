@@ -226,10 +226,10 @@ class DraftLayer(nn.Module):
         k_ctx, v_ctx = context_kv
         keys = torch.cat([k_ctx, k], dim=1)  # [rows, L + Q, kv_heads, head_dim]: context first, then block
         values = torch.cat([v_ctx, v.view(rows, q_len, c.num_kv_heads, c.head_dim)], dim=1)
-        group = c.num_heads // c.num_kv_heads  # query head h reads KV head h // group (as HF's repeat_kv)
-        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [rows, heads, L + Q, head_dim]
-        values = values.repeat_interleave(group, dim=2).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask)  # [rows, heads, Q, head_dim]
+        # query head h reads KV head h // (heads / kv_heads), as HF's repeat_kv; SDPA's GQA mode
+        # reads the shared heads in place instead of copying the context keys per query head
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask, enable_gqa=True)  # [rows, heads, Q, head_dim]
         x = x + self.o_proj(attn.transpose(1, 2).reshape(rows, q_len, c.q_size))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attn_norm, c.rms_norm_eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
