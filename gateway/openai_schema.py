@@ -24,9 +24,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator, model_serializer, model_validator
 
-from dspark.sampling.params import MIN_TEMPERATURE
+from dspark.sampling.params import MIN_TEMPERATURE, SEED_RANGE  # SEED_RANGE: what torch.Generator.manual_seed accepts
 
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits: chat top_logprobs, completions logprobs
 MAX_COMPLETION_LOGPROBS = 5
 

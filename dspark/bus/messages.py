@@ -127,7 +127,7 @@ class BusRequest:
                 params=SamplingParams(
                     temperature=float(params.get("temperature", 1.0)),
                     top_p=float(params.get("top_p", 1.0)),
-                    top_k=int(params.get("top_k", 0)),
+                    top_k=params.get("top_k", 0),  # validated by SamplingParams: an integer, not truncated
                     seed=params.get("seed"),
                 ),
                 stop_token_ids=d.get("stop_token_ids", []),

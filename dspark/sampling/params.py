@@ -7,6 +7,7 @@ then top-k, then top-p (nucleus), then renormalisation, in fp32.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ import torch
 # Below this a temperature is not "nearly greedy" but an overflow: logits / temperature leave fp32
 # and the softmax turns into NaN. Send 0 for greedy.
 MIN_TEMPERATURE = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
@@ -33,12 +35,25 @@ class SamplingParams:
             raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {self.temperature}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not _is_integer(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not (_is_integer(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(f"seed must be None or an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_integer(x) -> bool:
+    # int or numpy integer; not bool, not float (a 2.7 would be truncated where it is used)
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 def logits_to_probs(

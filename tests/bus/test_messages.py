@@ -64,6 +64,9 @@ def test_malformed_requests_are_rejected_naming_the_field(kwargs, field):
     ("[1]", "JSON object"),
     ('{"request_id": "r", "prompt_ids": [1]}', "max_new_tokens"),
     ('{"request_id": "r", "prompt_ids": [1], "max_new_tokens": 2, "params": {"temperature": -1}}', "temperature"),
+    ('{"request_id": "r", "prompt_ids": [1], "max_new_tokens": 2, "params": {"top_k": 2.7}}', "top_k"),
+    ('{"request_id": "r", "prompt_ids": [1], "max_new_tokens": 2, "params": {"seed": "7"}}', "seed"),
+    ('{"request_id": "r", "prompt_ids": [1], "max_new_tokens": 2, "params": {"seed": 18446744073709551616}}', "seed"),
 ])
 def test_malformed_wire_requests_raise_value_error(text, match):
     with pytest.raises(ValueError, match=match):

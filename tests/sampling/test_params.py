@@ -108,3 +108,21 @@ def test_logits_to_probs_agrees_with_the_plain_float64_reference_the_chi_square_
     plain = torch.stack([reference_probs(row, **settings) for row in logits])
     assert torch.equal(fast > 0, plain > 0)
     torch.testing.assert_close(fast.double(), plain, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"top_k": -1}, "top_k"), ({"top_k": 2.7}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"seed": "7"}, "seed"), ({"seed": 1.0}, "seed"), ({"seed": False}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"), ({"seed": 2**64}, "seed"),
+])
+def test_sampling_params_refuse_what_the_generator_or_the_filter_would_misread(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_seeds_at_both_ends_of_the_generators_range_and_numpy_integers_are_accepted():
+    import numpy as np
+
+    for seed in (-(2**63), 2**64 - 1, np.int64(5)):
+        torch.Generator().manual_seed(int(SamplingParams(seed=seed).seed))
+    assert SamplingParams(top_k=np.int32(3)).top_k == 3
