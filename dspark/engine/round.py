@@ -36,6 +36,7 @@ from dspark.sampling import DraftProbs
 from dspark.sampling.logprobs import NOT_ASKED, TokenLogprobs
 from dspark.scheduling.draft_gate import DraftGate
 from dspark.scheduling.policies import Policy
+from dspark.scheduling.prefix_scheduler import ScheduleTrace, empty_schedule_trace
 
 __all__ = ["RoundResult", "emit", "request_rounds", "run_round"]
 
@@ -101,7 +102,12 @@ def run_round(
 
     trace = None
     with phase("schedule"):
-        if policy is not None and decoding:
+        if policy is not None and decoding and not drafting and policy.gates_drafting and not any(map(len, proposals)):
+            # The gate skipped the drafter and no lookup proposed anything: every ℓ_r is 0 without
+            # running Algorithm 1 (~0.2 ms a round here; a gated policy keeps no state across rounds).
+            if trace_schedule:
+                trace = _empty_schedule_trace(verifier, decoding, prefilling)
+        elif policy is not None and decoding:
             lengths = _draft_lengths(policy, drafter, verifier, decoding, proposals, prefilling)  # [R]
             proposals = [p.truncated(int(n)) for p, n in zip(proposals, lengths)]
             trace = policy.last_trace if trace_schedule else None
@@ -243,6 +249,17 @@ def _draft_lengths(policy: Policy, drafter: Drafter, verifier: Verifier, decodin
         request_ids=[s.request.request_id for s in decoding], num_drafts=num, confidences=confidences, sps_table=sps_table,
         prefill_tokens=prefill_tokens, prefill_emitted=len(prefilling),
     )
+
+
+def _empty_schedule_trace(verifier: Verifier, decoding: list[RequestState],
+                          prefilling: list[RequestState]) -> ScheduleTrace | None:
+    """The round feed's schedule of a round with no draft: what Algorithm 1 would have traced."""
+    profile = verifier.sps_profile
+    if profile is None:
+        return None
+    prefill_tokens = sum(len(s.all_token_ids) for s in prefilling)
+    return empty_schedule_trace(num_requests=len(decoding), sps_table=profile.table(upto=prefill_tokens + len(decoding)),
+                                prefill_tokens=prefill_tokens, prefill_emitted=len(prefilling))
 
 
 # ---- verify --------------------------------------------------------------------------------

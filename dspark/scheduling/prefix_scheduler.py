@@ -315,8 +315,8 @@ def schedule_with_trace(
         return ScheduleTrace(thetas=thetas, base_batch=base, admitted=admitted, stop=stop, break_candidate=candidate)
 
     if num_requests == 0 or gamma == 0:
-        theta0 = np.array([float(num_requests + prefill_emitted) * sps[base - 1] if base else 0.0])  # [1]
-        return np.zeros(num_requests, dtype=np.int64), trace(theta0, 0, "candidates")
+        return np.zeros(num_requests, dtype=np.int64), empty_schedule_trace(
+            num_requests=num_requests, sps_table=sps, prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
     flat = _survival(c, n).ravel()  # [R·γ]
     num_positive = int(np.count_nonzero(flat))
     limit = min(num_positive, sps.size - base)  # candidates that fit in the table
@@ -331,6 +331,16 @@ def schedule_with_trace(
         if m == limit:
             return _lengths(order, num_requests, gamma), trace(thetas, m, "table" if limit < num_positive else "candidates")
         m = min(limit, 8 * m)
+
+
+def empty_schedule_trace(*, num_requests: int, sps_table: ArrayLike, prefill_tokens: int = 0,
+                         prefill_emitted: int = 0) -> ScheduleTrace:
+    """The trace of a round with no candidate (every ℓ_r = 0): Θ_0 = (R + E)·SPS(R + P) only, as
+    `schedule_with_trace` gives it without being called (the engine's rounds the draft gate skipped)."""
+    sps = np.asarray(sps_table, dtype=np.float64)  # [B_max], sps[B-1] = SPS(B)
+    base = num_requests + prefill_tokens
+    theta0 = np.array([float(num_requests + prefill_emitted) * sps[min(base, sps.size) - 1] if base else 0.0])  # [1]
+    return ScheduleTrace(thetas=theta0, base_batch=base, admitted=0, stop="candidates", break_candidate=None)
 
 
 def schedule_full_search(

@@ -16,6 +16,7 @@ from scipy.stats import binomtest, chisquare
 from dspark.scheduling.prefix_scheduler import (
     admit_top_k,
     brute_force_optimum,
+    empty_schedule_trace,
     full_search_capacity,
     schedule,
     schedule_async,
@@ -513,3 +514,15 @@ def test_the_shipped_scheduler_is_lossless_when_its_draft_length_depends_on_earl
     observed = np.bincount(tokens[:, 0] * 2 + tokens[:, 1], minlength=4)  # [4] pairs AA, AB, BA, BB
     expected = ROUNDS * np.array([0.7 * 0.6, 0.7 * 0.4, 0.3 * 0.2, 0.3 * 0.8])
     assert chisquare(observed, expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("num_requests,prefill_tokens,prefill_emitted", [(1, 0, 0), (5, 0, 0), (3, 40, 2)])
+def test_the_trace_of_a_round_without_drafts_is_what_algorithm_1_traces_for_it(num_requests, prefill_tokens, prefill_emitted):
+    sps = np.linspace(100.0, 20.0, 64)  # [B_max]
+    lengths, expected = schedule_with_trace(confidences=np.zeros((num_requests, 1)), num_drafts=np.zeros(num_requests, dtype=np.int64),
+                                            sps_table=sps, prefill_tokens=prefill_tokens, prefill_emitted=prefill_emitted)
+    got = empty_schedule_trace(num_requests=num_requests, sps_table=sps, prefill_tokens=prefill_tokens,
+                               prefill_emitted=prefill_emitted)
+    assert not lengths.any()
+    assert (got.base_batch, got.admitted, got.stop, got.break_candidate) == (expected.base_batch, 0, expected.stop, None)
+    np.testing.assert_array_equal(got.thetas, expected.thetas)
