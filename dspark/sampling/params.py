@@ -77,12 +77,44 @@ def logits_to_probs(
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [n, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Mass strictly before each token; a token is dropped once that mass already reaches top_p.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False  # the most likely token always crosses top_p (a top_p below fp32's range compares as 0)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(top_p_drop(logits, top_p), float("-inf"))
     return torch.softmax(logits, dim=-1)
+
+
+TOP_P_CANDIDATES = 256  # the nucleus is looked for among this many most likely tokens first
+
+
+def top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab] -> [n, vocab] bool
+    """The tokens outside each row's nucleus: rank by probability, drop a token once the mass
+    strictly before it already reaches top_p (the token that crosses top_p is kept, and the most
+    likely token always is: a top_p below fp32's range compares as 0).
+
+    Ranked among the TOP_P_CANDIDATES most likely tokens (a partial sort, topk): a row whose
+    candidates already hold top_p of the mass has its whole nucleus among them (every token past
+    them has at least that mass before it). Only the other rows are sorted in full
+    (`top_p_drop_sorted`, the plain reference, the same decisions: tests/sampling/test_params.py).
+    At 64 rows of a 49,152-token vocabulary: ~10 ms instead of ~115 ms for the full sort (the
+    largest cost of a batched regeneration step with top-p on a 2-core Xeon)."""
+    n, vocab = logits.shape
+    k = min(TOP_P_CANDIDATES, vocab)
+    probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+    top_probs, top_idx = torch.topk(probs, k, dim=-1)  # [n, k], descending
+    mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [n, k]
+    drop_top = mass_before >= top_p
+    drop_top[:, 0] = False
+    drop = torch.ones(n, vocab, dtype=torch.bool, device=logits.device).scatter(-1, top_idx, drop_top)
+    if k < vocab:
+        wider = (mass_before[:, -1] + top_probs[:, -1] < top_p).nonzero().squeeze(1)  # [rows] the nucleus may go past k
+        if wider.numel():
+            drop[wider] = top_p_drop_sorted(logits[wider], top_p)
+    return drop
+
+
+def top_p_drop_sorted(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab] -> [n, vocab] bool
+    """`top_p_drop` by a full sort of every row: the plain reference."""
+    probs = torch.softmax(logits, dim=-1)  # [n, vocab]
+    sorted_probs, sorted_idx = torch.sort(probs, dim=-1, descending=True)  # [n, vocab]
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly before each token
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False
+    return torch.zeros_like(drop_sorted).scatter(-1, sorted_idx, drop_sorted)

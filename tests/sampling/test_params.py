@@ -126,3 +126,18 @@ def test_seeds_at_both_ends_of_the_generators_range_and_numpy_integers_are_accep
     for seed in (-(2**63), 2**64 - 1, np.int64(5)):
         torch.Generator().manual_seed(int(SamplingParams(seed=seed).seed))
     assert SamplingParams(top_k=np.int32(3)).top_k == 3
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])  # flat rows (nucleus past the candidates: the full sort) to peaked ones
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.8, 0.95, 0.999])
+def test_the_partial_sort_nucleus_is_the_full_sort_nucleus(scale, top_p):
+    from dspark.sampling.params import TOP_P_CANDIDATES, top_p_drop, top_p_drop_sorted
+
+    g = torch.Generator().manual_seed(int(scale * 100 + top_p * 1000))
+    vocab = 4 * TOP_P_CANDIDATES + 3
+    logits = torch.randn(16, vocab, generator=g) * scale
+    logits[3, 100:] = float("-inf")  # a row cut by top_k first
+    logits[5] = logits[5] * 0.01  # nearly uniform: its nucleus needs the full sort
+    assert torch.equal(top_p_drop(logits, top_p), top_p_drop_sorted(logits, top_p))
+    small = logits[:, :TOP_P_CANDIDATES // 2]  # a vocabulary smaller than the candidates
+    assert torch.equal(top_p_drop(small, top_p), top_p_drop_sorted(small, top_p))
