@@ -17,8 +17,8 @@ distribution training fits (tests/drafters/test_serving_matches_training.py).
 Why not the plain layers: a drafting round multiplies γ rows per request by each weight. On an
 AMD EPYC (avx512_bf16, torch 2.13) MKL's sgemm took 6.4 ms for [7, 576] x [576, 8192] (the draft
 vocabulary's LM head), oneDNN packed 0.78 ms. On an Intel Xeon (AMX, 2 threads) MKL is not slow
-there, but the shipped drafter's round went 6.9 -> see docs/results/forward.md with the compact
-kernel (`python benchmarks/bench_drafter.py --checkpoint`), for its fewer bytes.
+there; the compact kernel's fewer bytes took a round of one greedy request from 6.1-6.3 ms
+(packed) to 4.0-4.2 ms (docs/results/forward.md, `benchmarks/bench_drafter.py`).
 `DSPARK_DRAFTER_GEMMS=packed` skips the compact kernel, `=plain` keeps the plain layers (A/B runs).
 
 Training never uses this path (no autograd through either): `prepare_for_serving` is called by
