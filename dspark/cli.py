@@ -163,17 +163,12 @@ def _generate_one(engine, request):
     its tokens (collected from the rounds' outputs, one entry per emitted token)."""
     from dspark.sampling.logprobs import TokenLogprobs
 
-    engine.add_request(request)
-    state = engine.running[request.request_id]
-    collected = None if request.logprobs is None else TokenLogprobs.empty()
-    while engine.has_unfinished:
-        for out in engine.step():
-            if collected is not None and out.logprobs is not None:
-                collected = TokenLogprobs(collected.logprobs + out.logprobs.logprobs, collected.top_ids + out.logprobs.top_ids,
-                                          collected.top_logprobs + out.logprobs.top_logprobs)
-        if (stalled := engine.stalled_for_s()) > 0:
-            time.sleep(stalled)
-    return state, collected
+    pieces: list[TokenLogprobs] = []
+    (state,) = engine.generate([request], on_output=lambda out: out.logprobs is not None and pieces.append(out.logprobs))
+    if request.logprobs is None:
+        return state, None
+    return state, TokenLogprobs([x for p in pieces for x in p.logprobs], [x for p in pieces for x in p.top_ids],
+                                [x for p in pieces for x in p.top_logprobs])
 
 
 def _logprobs_json(tokenizer, token_ids: list[int], logprobs) -> dict:

@@ -46,6 +46,7 @@ bounds of `FaultPolicy` (dspark/engine/faults.py); past them the requests fail w
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -281,14 +282,18 @@ class SpeculativeEngine:
 
     # ---- convenience ---------------------------------------------------------------------
 
-    def generate(self, requests: list[GenerationRequest]) -> list[RequestState]:
-        """Run requests to completion (all admitted at once) and return their final states."""
+    def generate(self, requests: list[GenerationRequest],
+                 on_output: Callable[[StepOutput], None] | None = None) -> list[RequestState]:
+        """Run requests to completion (all admitted at once) and return their final states;
+        `on_output` sees every round's outputs (what a state does not keep: logprobs)."""
         states = []
         for r in requests:
             self.add_request(r)
             states.append(self.running[r.request_id])
         while self.has_unfinished:
-            self.step()
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
             if (stalled := self.stalled_for_s()) > 0:  # only while every request waits for the verifier
                 time.sleep(stalled)
         return states

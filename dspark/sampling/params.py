@@ -99,12 +99,12 @@ def top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab
     k = min(TOP_P_CANDIDATES, vocab)
     probs = torch.softmax(logits, dim=-1)  # [n, vocab]
     top_probs, top_idx = torch.topk(probs, k, dim=-1)  # [n, k], descending
-    mass_before = torch.cumsum(top_probs, dim=-1) - top_probs  # [n, k]
-    drop_top = mass_before >= top_p
+    cumulative = torch.cumsum(top_probs, dim=-1)  # [n, k]
+    drop_top = cumulative - top_probs >= top_p  # the mass strictly before each candidate reaches top_p
     drop_top[:, 0] = False
     drop = torch.ones(n, vocab, dtype=torch.bool, device=logits.device).scatter(-1, top_idx, drop_top)
     if k < vocab:
-        wider = (mass_before[:, -1] + top_probs[:, -1] < top_p).nonzero().squeeze(1)  # [rows] the nucleus may go past k
+        wider = (cumulative[:, -1] < top_p).nonzero().squeeze(1)  # [rows] the nucleus may go past the candidates
         if wider.numel():
             drop[wider] = top_p_drop_sorted(logits[wider], top_p)
     return drop
