@@ -4,6 +4,7 @@
     python benchmarks/bench_forward.py --compare-attention [--context 200 --repeats 7]
     python benchmarks/bench_forward.py --compare-fused [--context 200 --repeats 7]
     python benchmarks/bench_forward.py --compare-old-gemm [--context 200 --repeats 7]
+    python benchmarks/bench_forward.py --device cuda --max-batch 64      # on a GPU (scripts/gpu_check.sh)
 
 Roofline (docs/architecture.md §8): a step must at least stream the weights once (bf16 linear layers +
 the fp32 LM head) at the measured memory bandwidth, and do 2·params FLOPs per token at the bf16
@@ -21,25 +22,29 @@ import torch
 
 from common import print_table
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
-from dspark.profiling.sps import profile_sps
+from dspark.profiling.sps import profile_sps, synchronize
 
 
-def measure_bandwidth_gbs() -> float:
-    x = torch.ones(2**27)  # 512 MB
+def measure_bandwidth_gbs(device: torch.device) -> float:
+    x = torch.ones(2**27, device=device)  # 512 MB
     x.sum()
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(3):
         x.sum()
+    synchronize(device)
     return 3 * x.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-def measure_bf16_gflops() -> float:
-    a = torch.randn(64, 4096).bfloat16()
-    b = torch.randn(4096, 4096).bfloat16()
+def measure_bf16_gflops(device: torch.device) -> float:
+    a = torch.randn(64, 4096, device=device).bfloat16()
+    b = torch.randn(4096, 4096, device=device).bfloat16()
     a @ b
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(5):
         a @ b
+    synchronize(device)
     return 5 * 2 * 64 * 4096 * 4096 / (time.perf_counter() - t0) / 1e9
 
 
@@ -125,6 +130,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--weights", default="dense", choices=["auto", "compact", "dense"])
+    ap.add_argument("--device", default="cpu", help="auto | cpu | cuda | cuda:N (model.device)")
     ap.add_argument("--plot", default=None, help="write a PNG of step time vs B with the roofline")
     ap.add_argument("--compare-attention", action="store_true",
                     help="batched attention kernel vs per-row SDPA: one request verifying B tokens, C requests decoding")
@@ -137,7 +144,7 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, nargs="+", default=[8, 32, 64], help="C values (--compare-attention)")
     args = ap.parse_args()
 
-    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype))
+    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights=args.weights, device=args.device))
     if args.compare_attention or args.compare_fused or args.compare_old_gemm:
         modes = (FUSED_MODES if args.compare_fused else old_gemm_modes(runtime.model) if args.compare_old_gemm
                  else ATTENTION_MODES)
@@ -148,7 +155,7 @@ def main() -> None:
     layer_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n.startswith("layers."))
     head_bytes = model.lm_head_weight.numel() * 4
     flops_per_token = 2 * (sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.")) + model.lm_head_weight.numel())
-    bw, peak = measure_bandwidth_gbs(), measure_bf16_gflops()
+    bw, peak = measure_bandwidth_gbs(runtime.device), measure_bf16_gflops(runtime.device)
     prof = profile_sps(runtime, max_batch=args.max_batch, repeats=args.repeats)
     rows = []
     for b, t in zip(prof.batch_sizes, prof.step_seconds):

@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
     ap.add_argument("--weights", default="auto", choices=["auto", "compact", "dense"],
                     help="our linear layers' weights (auto: compact exact blocks where the checkpoint has them)")
+    ap.add_argument("--device", default="cpu", help="where our rows run: auto | cpu | cuda | cuda:N (model.device); the peers stay on the CPU")
     ap.add_argument("--dense-baseline", action="store_true",
                     help="also run our plain decoding on dense weights (--dtype), beside the --weights rows")
     ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes, comma-separated (float32 is its default)")
@@ -137,14 +138,18 @@ def main() -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights=args.weights, capture_layers=capture))
+    try:
+        runtime = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights=args.weights, capture_layers=capture, device=args.device))
+    except ValueError as e:  # e.g. compact weights asked for on a GPU, or a device torch cannot reach
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"ours: linear layers {runtime.linear_numerics}", file=sys.stderr)
     tokenizer = Tokenizer(runtime.model_dir)
     prompt_ids = [tokenizer.encode_chat([{"role": "user", "content": p}])
                   for b in benchmarks for p in load_prompts(b, args.prompts)]
     engines = {"ours none": SpeculativeEngine(runtime, None)}
     if args.dense_baseline:
-        dense = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights="dense"))
+        dense = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights="dense", device=args.device))
         engines[f"ours none, dense {dense.linear_numerics}"] = SpeculativeEngine(dense, None)
     if drafter_path:
         for name in drafters:

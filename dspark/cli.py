@@ -35,6 +35,8 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                          "(3-5x fewer bytes per step), dense, auto = compact where every layer has one")
     add_config_flag(p, "--kv-budget-mb", key="model.kv_budget_mb", type=int, help="memory for all requests' KV caches")
     add_config_flag(p, "--max-model-len", key="model.max_model_len", type=int, help="context window; 0 = the model's")
+    add_config_flag(p, "--device", key="model.device",
+                    help="where the target and the drafter run: auto (CUDA when torch sees a GPU, else the CPU), cpu, cuda, cuda:N")
 
 
 def target_config(config: ServingConfig, *, with_drafter: bool = True) -> TargetConfig:
@@ -45,8 +47,7 @@ def target_config(config: ServingConfig, *, with_drafter: bool = True) -> Target
 
     m, d = config.model, config.drafter
     capture = drafter_capture_layers(d.name, d.path or None) if with_drafter else None
-    return TargetConfig(model=m.name, dtype=m.dtype, weights=m.weights, kv_budget_mb=m.kv_budget_mb, capture_layers=capture,
-                        max_model_len=m.max_model_len or None)
+    return TargetConfig.of(m, capture_layers=capture)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -51,6 +52,7 @@ LEGACY_API_KEYS_ENV = "DSPARK_API_KEYS"  # the older name of gateway.api_keys: i
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off", ""}
 SECRET = {"secret": True}  # field metadata: a key given from a secret store (k8s Secret), never printed by repr
 MIN_TOKEN_CHARS = 16
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:[0-9]+)?")  # model.device; whether the device exists is checked at load
 
 
 def _check(ok: bool, message: str) -> None:
@@ -71,9 +73,14 @@ class ModelSection:
     weights: str = "auto"  # linear weights: compact (exact, the checkpoint's block format, fp32 compute) | dense | auto (compact where exact)
     kv_budget_mb: int = 4096  # memory for all requests' KV caches (verifier)
     max_model_len: int = 0  # context window; 0 = the model's max_position_embeddings
+    # where the target (and a drafter's weights) run: auto (the first CUDA device torch sees, else
+    # the CPU) | cpu | cuda | cuda:N; per service through its environment (DSPARK_MODEL_DEVICE)
+    device: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model.name must be the default model's name or a model directory, got ''")
+        _check(DEVICE_PATTERN.fullmatch(self.device) is not None,
+               f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float32"), f"model.dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
         _check(self.weights in ("auto", "compact", "dense"), f"model.weights must be 'auto', 'compact' or 'dense', got {self.weights!r}")
         _check(not (self.weights == "compact" and self.dtype == "bfloat16"),

@@ -10,6 +10,7 @@ default model once per session (a few seconds once it is cached under ~/.cache/d
     python -m pytest tests -q -m slow         # slow tests only
     python -m pytest tests -q -m "not processes"   # none that starts another process
     python -m pytest tests -q -m browser           # the round view in headless Chromium (also `processes`)
+    python -m pytest tests -q -m device --device cuda   # the device tests on a GPU (scripts/gpu_check.sh)
 
 Tests that start other processes (dspark services, servers, a child pytest, redis-server,
 kubectl) are marked `processes`, each one or, where every test of a module shares such a
@@ -24,6 +25,32 @@ import torch
 from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.transformer import Transformer
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="", help="where the `device`-marked tests run: cpu, cuda, cuda:N "
+                     "(default: CUDA when torch sees a GPU, else the CPU, so that they run, and cannot rot, in CI)")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device of the `device`-marked tests (--device, scripts/gpu_check.sh)."""
+    from dspark.model.target_runtime import resolve_device
+
+    return resolve_device(request.config.getoption("--device") or "auto")
+
+
+def make_runtime_on(device: torch.device | str, **kwargs) -> TargetRuntime:
+    """`make_tiny_runtime(**kwargs)` placed on `device` in the modes the weights run in there,
+    forced also on the CPU: "varlen" attention, no fused CPU kernels. On the CPU this is the
+    GPU's code path (minus the device), which CI then exercises."""
+    runtime = make_tiny_runtime(**kwargs)
+    model = runtime.model
+    model.set_attention("varlen")
+    model.set_fused(False)
+    model.place_on(device)
+    return TargetRuntime(model, kv_budget_tokens=runtime.kv.budget_tokens, capture_layers=runtime.capture_layers,
+                         max_model_len=runtime.max_model_len)
+
 
 # Scales of the random weights: large enough that distributions are not near-uniform (greedy
 # margins are wide, temperature-1 sampling is neither flat nor a point mass).

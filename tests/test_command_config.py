@@ -34,6 +34,7 @@ LAYERS = ("file", "env", "flag")
 CHOICES = {
     "model.dtype": ("bfloat16", "float32", "auto"),
     "model.weights": ("dense", "compact", "auto"),  # valid beside each layer's dtype (compact computes in fp32)
+    "model.device": ("cpu", "cuda:1", "auto"),  # checked as a name only: no device is opened by resolving configuration
     "verifier.sampler_backend": ("torch", "triton", "auto"),
     "observability.otlp_protocol": ("grpc", "http/protobuf", ""),
     "drafter.name": ("ngram", "dspark", "dflash"),

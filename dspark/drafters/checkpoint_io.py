@@ -28,11 +28,16 @@ STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
 
 def checkpoint_algo(directory: str | Path) -> str:
     """The drafter family a checkpoint directory holds: its config's "algo" field ("dspark" when
-    absent: DSpark checkpoints predate the field)."""
+    absent: DSpark checkpoints predate the field), or, for a checkpoint in DeepSpec's released
+    layout, the family it maps onto (dspark/drafters/deepspec_format.py)."""
     path = Path(directory) / CONFIG_FILE
     if not path.exists():
         raise FileNotFoundError(f"{directory} is not a drafter checkpoint: no {CONFIG_FILE}")
     data = json.loads(path.read_text())
+    from dspark.drafters import deepspec_format  # a checkpoint in DeepSpec's released layout (no "algo")
+
+    if deepspec_format.is_deepspec_config(data):
+        return deepspec_format.deepspec_family(data, source=path)
     if isinstance(data, dict) and isinstance(data.get("algo", "dspark"), str):
         return data.get("algo", "dspark")
     raise ValueError(f"{path}: expected a JSON object with a string \"algo\" (or none), got {str(data)[:200]}")
@@ -73,14 +78,22 @@ def load_weights(directory: str | Path, *, module: nn.Module, fmt: str, device: 
         if got_fmt != fmt:
             raise ValueError(f"{path}: format {got_fmt!r}, expected {fmt!r}")
         state = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
+    load_state(module, state, source=directory)
+
+
+def load_state(module: nn.Module, state: dict[str, torch.Tensor], *, source: str | Path) -> None:
+    """Load `state` into `module` after checking its names and shapes against the module the
+    config built (ValueError naming every mismatch; `source` names the checkpoint)."""
     expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
     got = {name: tuple(t.shape) for name, t in state.items()}
     problems = [f"missing {n}" for n in sorted(expected.keys() - got.keys())]
     problems += [f"unexpected {n}" for n in sorted(got.keys() - expected.keys())]
     problems += [f"{n}: shape {got[n]}, config implies {expected[n]}" for n in sorted(expected.keys() & got.keys()) if got[n] != expected[n]]
     if problems:
-        raise ValueError(f"{Path(directory)}: weights do not match {CONFIG_FILE}: " + "; ".join(problems))
+        raise ValueError(f"{Path(source)}: weights do not match {CONFIG_FILE}: " + "; ".join(problems))
     module.load_state_dict(state)
 
 
-__all__ = ["CONFIG_FILE", "STORAGE_DTYPES", "WEIGHTS_FILE", "checkpoint_algo", "load_weights", "read_config_json", "save_weights"]
+__all__ = [
+    "CONFIG_FILE", "STORAGE_DTYPES", "WEIGHTS_FILE", "checkpoint_algo", "load_state", "load_weights", "read_config_json", "save_weights",
+]

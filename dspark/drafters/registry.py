@@ -12,6 +12,10 @@ training objective. A new family is a folder plus a line in `_builtin_families`,
 entry: "none" (plain decoding), "ngram" (prompt lookup, drafters/ngram.py) and "<family>-lookup"
 (lookup proposals beside the family's drafter, drafters/lookup.py) for the families whose
 proposals carry confidences (`lookup_variant`).
+
+A checkpoint directory in DeepSpec's released layout (github.com/deepseek-ai/DeepSpec: its DSpark,
+DFlash and EAGLE-3 drafters of Qwen3 targets) is served as it is: its config and tensors are
+translated onto the family it maps to (dspark/drafters/deepspec_format.py, docs/deepspec-checkpoints.md).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from torch import nn
 
+from dspark.drafters import deepspec_format
 from dspark.drafters.base import Drafter
 from dspark.drafters.checkpoint_io import checkpoint_algo
 
@@ -137,6 +142,8 @@ def drafter_capture_layers(name: str, path: str | Path | None) -> tuple[int, ...
         return None
     directory = Path(_require_path(entry.name, path))
     _check_algo(entry.name, directory)
+    if deepspec_format.is_deepspec_checkpoint(directory):  # DeepSpec's released layout: its config translated
+        return tuple(deepspec_format.read_config(directory, algo=entry.name).target_layer_ids)
     return tuple(entry.config.from_json((directory / "config.json").read_text()).target_layer_ids)
 
 
@@ -162,6 +169,9 @@ def make_drafter(name: str, *, runtime: TargetRuntime | None = None, path: str |
         raise ValueError(f"the {name} drafter shares the target's embedding and LM head: pass runtime=")
     directory = Path(_require_path(name, path))
     _check_algo(name, directory)
+    if deepspec_format.is_deepspec_checkpoint(directory):
+        # trained for this target? (hidden size, vocabulary, layer count and ids) before reading any weights
+        deepspec_format.check_target(directory, runtime.model.config)
     return family(name).serving.load(directory, target=runtime.model, top_k=top_k)
 
 

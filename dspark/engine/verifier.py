@@ -148,7 +148,8 @@ class LocalVerifier(Verifier):
 
     def __init__(self, runtime: TargetRuntime, *, sampler_backend: str = "auto"):
         self.runtime = runtime
-        self.sampler_backend = resolve_sampler_backend(sampler_backend, runtime.kv.device)  # logits live beside the KV
+        self.device: torch.device = runtime.device  # the forward's and the sampler's; the engine's side stays on the host
+        self.sampler_backend = resolve_sampler_backend(sampler_backend, self.device)  # logits live beside the KV
         self.vocab_size: int = runtime.vocab_size
         self.max_model_len: int = runtime.max_model_len
         self.capture_layers: tuple[int, ...] = tuple(runtime.capture_layers)
@@ -188,7 +189,10 @@ class LocalVerifier(Verifier):
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
         self._requests[request_id] = _VerifierRequest(
-            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), params=params, generator=torch.Generator().manual_seed(seed)
+            prompt_ids=torch.tensor(prompt_ids, dtype=torch.long), params=params,
+            # on the forward's device, so its draws need no copy; a seed gives the same stream on
+            # every run on the same kind of device (CPU and CUDA generators differ)
+            generator=torch.Generator(device=self.device).manual_seed(seed),
         )
 
     def remove_request(self, request_ids: list[str]) -> int:
@@ -229,16 +233,20 @@ class LocalVerifier(Verifier):
             # Greedy requests consume no randomness; None keeps their seeded streams untouched.
             generators = [None if s.params.is_greedy else s.generator for s in states]
             uniforms, exp_noise = draw_rejection_randoms(batch.num_draft_tokens, self.vocab_size, generators,
-                                                         greedy=[s.params.is_greedy for s in states])
+                                                         device=self.device, greedy=[s.params.is_greedy for s in states])
+            device = self.device
+            draft_probs = batch.draft_probs
             result = rejection_sample(RejectionBatch(
-                draft_token_ids=batch.draft_token_ids,
-                num_draft_tokens=batch.num_draft_tokens,
+                draft_token_ids=batch.draft_token_ids.to(device, non_blocking=True),
+                num_draft_tokens=batch.num_draft_tokens.to(device, non_blocking=True),
                 target_logits=out.logits,  # [num_draft_tokens + num_requests, vocab]
-                draft_probs=batch.draft_probs,
+                draft_probs=None if draft_probs is None else draft_probs.to(device, non_blocking=True),
                 params=[s.params for s in states],
                 uniforms=uniforms,
                 exp_noise=exp_noise,
             ), backend=self.sampler_backend)
+            if device.type != "cpu":  # the round's result is host data, as over gRPC: one copy back
+                result = RejectionResult(output_token_ids=result.output_token_ids.cpu(), num_accepted=result.num_accepted.cpu())
         except BaseException:  # e.g. invalid draft rows: undo the forward's K/V so the request can go on
             for rid, length in zip(batch.request_ids, context_lens):
                 self.runtime.truncate(rid, length)
@@ -260,11 +268,11 @@ class LocalVerifier(Verifier):
                 s.prefilled = True
             if batch.capture_hidden_states:
                 start = out.query_start[i]
-                hidden_pieces.append(out.captured[start : start + verified])  # [verified, m, hidden]
+                hidden_pieces.append(out.captured[start : start + verified])  # [verified, m, hidden] on the device
                 hidden_counts.append(verified)
         hidden = num_hidden = None
         if batch.capture_hidden_states:
-            hidden = torch.cat(hidden_pieces)  # [sum n_r, num_capture_layers, hidden]
+            hidden = torch.cat(hidden_pieces).cpu()  # [sum n_r, num_capture_layers, hidden] (the drafter moves it where it runs)
             num_hidden = torch.tensor(hidden_counts, dtype=torch.long)  # [num_requests]
         return VerifyResult(round_id=batch.round_id, request_ids=list(batch.request_ids), result=result,
                             hidden_states=hidden, num_hidden_positions=num_hidden, logprobs=logprobs)

@@ -21,6 +21,7 @@ from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import KVBudgetExceeded, KVCache
 from dspark.model.model_store import DEFAULT_MODEL, resolve_model_dir
 from dspark.model.transformer import AttentionMetadata, Transformer
+from dspark.serving_config import DEVICE_PATTERN, ModelSection
 
 __all__ = ["WEIGHT_CHOICES", "TargetConfig", "TargetRuntime", "ForwardOutput", "KVBudgetExceeded", "default_capture_layers"]
 
@@ -39,11 +40,33 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str) -> str:
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto" -> the first CUDA device torch sees, else the CPU; "cpu", "cuda", "cuda:N" as given,
+    refused with a ValueError when torch cannot reach that device (at start-up, not mid-request)."""
+    if str(device) == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but this torch sees no CUDA device "
+                         f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); use 'cpu' or 'auto'")
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return torch.device("cuda", index)
+
+
+def resolve_dtype(dtype: str, device: torch.device | str = "cpu") -> str:
     """"auto" -> "bfloat16" on CUDA or a CPU with native bf16, else "float32"."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if torch.cuda.is_available() or cpu_has_fast_bf16() else "float32"
+    return "bfloat16" if torch.device(device).type == "cuda" or cpu_has_fast_bf16() else "float32"
 
 
 def default_capture_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -69,6 +92,7 @@ class TargetConfig:
     kv_budget_mb: int = 4096  # memory for all requests' KV caches together
     capture_layers: tuple[int, ...] | None = None  # target layers whose hidden states feed the drafter; None = 5 spread evenly
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (resolve_device); compact weights are CPU-only
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -79,6 +103,17 @@ class TargetConfig:
             raise ValueError(f"compact weights compute in float32; dtype {self.dtype!r} asks for dense weights")
         if self.kv_budget_mb <= 0:
             raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
+        if DEVICE_PATTERN.fullmatch(self.device) is None:
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @classmethod
+    def of(cls, model: ModelSection, *, capture_layers: tuple[int, ...] | None = None,
+           kv_budget_mb: int | None = None) -> "TargetConfig":
+        """The serving configuration's [model] section as a TargetConfig (the one translation of
+        it, used by `dspark serve`/`generate` and by the verifier and drafter services)."""
+        return cls(model=model.name, dtype=model.dtype, weights=model.weights, device=model.device,
+                   kv_budget_mb=model.kv_budget_mb if kv_budget_mb is None else kv_budget_mb,
+                   capture_layers=capture_layers, max_model_len=model.max_model_len or None)
 
 
 @dataclass
@@ -98,14 +133,23 @@ class TargetRuntime:
         if bad:
             raise ValueError(f"capture layers {bad} out of range for a {self.config.num_layers}-layer model")
         self.max_model_len = min(max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        self.device: torch.device = model.embed.weight.device  # where the weights, the KV and the logits live
         # fp32 K/V: attention runs in fp32 and reads the cache without conversion copies
-        self.kv = KVCache(self.config, budget_tokens=kv_budget_tokens, dtype=torch.float32)
+        self.kv = KVCache(self.config, budget_tokens=kv_budget_tokens, dtype=torch.float32, device=self.device)
 
     @classmethod
     def load(cls, cfg: TargetConfig = TargetConfig()) -> "TargetRuntime":
         model_dir = resolve_model_dir(cfg.model)
-        dense_dtype = DTYPES[resolve_dtype(cfg.dtype)]
-        if cfg.weights == "dense" or (cfg.weights == "auto" and cfg.dtype not in ("auto", "float32")):
+        device = resolve_device(cfg.device)
+        dense_dtype = DTYPES[resolve_dtype(cfg.dtype, device)]
+        if device.type != "cpu":
+            # The compact kernels, the fused ops and the layer loop are CPU code (C++ on AVX2 /
+            # AVX-512): on a GPU the linear layers hold dense `dtype` weights and attention is
+            # SDPA over the padded batch ("varlen", Transformer.set_attention).
+            if cfg.weights == "compact":
+                raise ValueError(f"compact weights run on the CPU only; on {device} use weights 'dense' or 'auto'")
+            model = Transformer.from_dir(model_dir, compute_dtype=dense_dtype, device=device)
+        elif cfg.weights == "dense" or (cfg.weights == "auto" and cfg.dtype not in ("auto", "float32")):
             model = Transformer.from_dir(model_dir, compute_dtype=dense_dtype)
         else:
             model = Transformer.from_dir(model_dir, compute_dtype=torch.float32, compact=True)
@@ -185,6 +229,9 @@ class TargetRuntime:
             if cache.length + q > cache.capacity:
                 raise ValueError(f"request {rid!r}: {cache.length}+{q} tokens exceed its reserved KV of {cache.capacity}")
         meta = AttentionMetadata.build(caches, query_lens)
+        token_ids = token_ids.to(self.device, non_blocking=True)  # checked on the host above
+        if logits_indices is not None:
+            logits_indices = logits_indices.to(self.device, non_blocking=True)
         hidden, captured = self.model(
             token_ids, meta.positions(), meta, capture_layers=self.capture_layers if capture else ()
         )

@@ -40,22 +40,34 @@ class AttentionMetadata:
     @classmethod
     def build(cls, caches: list[RequestKV], query_lens: list[int]) -> "AttentionMetadata":
         context_lens = [c.length for c in caches]
+        device = caches[0].keys.device if caches else torch.device("cpu")
         masks = []
         for q_len, ctx_len in zip(query_lens, context_lens):
             if q_len == 1 or ctx_len > 0:  # single queries see their whole prefix: no mask needed
                 masks.append(None)
                 continue
             # query i sits at absolute position ctx_len + i and sees keys at positions <= it
-            rows = torch.arange(q_len).unsqueeze(1) + ctx_len
-            masks.append(torch.arange(ctx_len + q_len).unsqueeze(0) <= rows)
+            rows = torch.arange(q_len, device=device).unsqueeze(1) + ctx_len
+            masks.append(torch.arange(ctx_len + q_len, device=device).unsqueeze(0) <= rows)
         return cls(caches=caches, query_lens=query_lens, context_lens=context_lens, masks=masks)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
+    @property
+    def device(self) -> torch.device:  # where the caches, hence the forward, live
+        return self.caches[0].keys.device
+
     def positions(self) -> torch.Tensor:  # [num_tokens] int64
-        return torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)])
+        host = torch.cat([torch.arange(c, c + q) for c, q in zip(self.context_lens, self.query_lens)])
+        return host.to(self.device, non_blocking=True)
+
+    def varlen_plan(self) -> "VarlenPlan":
+        """The padded-batch index arrays of the "varlen" attention, built once per forward."""
+        if "_varlen_plan" not in self.__dict__:
+            self.__dict__["_varlen_plan"] = VarlenPlan.build(self)
+        return self.__dict__["_varlen_plan"]
 
     def kernel_plan(self) -> "KernelPlan | None":
         """The batched kernel's index arrays, built once per forward and shared by all layers;
@@ -81,6 +93,35 @@ class KernelPlan:
         req = torch.repeat_interleave(torch.arange(len(meta.caches)), torch.tensor(meta.query_lens))  # [num_tokens]
         pos = meta.positions()  # [num_tokens]
         return cls(table=table, tok_req=req, tok_pos=pos, row_prefix=pos + 1, rows=torch.arange(pos.shape[0]))
+
+
+@dataclass
+class VarlenPlan:
+    """Where each token sits in a padded [num_requests, max_query_len] layout, and which keys
+    each padded query row sees: what one SDPA call over the whole batch needs (any device)."""
+
+    token_rows: torch.Tensor  # [num_tokens] int64 flat index r * max_query_len + i of each token
+    mask: torch.Tensor  # [num_requests, 1, max_query_len, max_total_len] bool: query i of request r sees key j
+    max_query_len: int
+    max_total_len: int
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "VarlenPlan":
+        q_lens = torch.tensor(meta.query_lens)  # [R]
+        ctx = torch.tensor(meta.context_lens)  # [R]
+        max_q, max_total = int(q_lens.max()), int((q_lens + ctx).max())
+        req = torch.repeat_interleave(torch.arange(len(meta.query_lens)), q_lens)  # [num_tokens]
+        first = torch.cumsum(q_lens, 0) - q_lens  # [R] first token of each request
+        within = torch.arange(req.shape[0]) - first[req]  # [num_tokens] i of each token in its request
+        i = torch.arange(max_q).view(1, max_q, 1)  # query row
+        j = torch.arange(max_total).view(1, 1, max_total)  # key position
+        total = (ctx + q_lens).view(-1, 1, 1)
+        # query i sits at position ctx_r + i and sees keys j <= it; a padding row (i >= q_r) sees
+        # the request's whole prefix, so no row of the softmax is empty (its output is dropped)
+        mask = (j <= ctx.view(-1, 1, 1) + i) & (j < total)  # [R, max_q, max_total]
+        device = meta.device
+        return cls(token_rows=(req * max_q + within).to(device), mask=mask.unsqueeze(1).to(device),
+                   max_query_len=max_q, max_total_len=max_total)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,7 +234,7 @@ class SplitKLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-ATTENTION_MODES = ("batched", "per-row")
+ATTENTION_MODES = ("batched", "per-row", "varlen")
 
 
 class DecoderLayer(nn.Module):
@@ -244,9 +285,11 @@ class DecoderLayer(nn.Module):
         # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim] (cached as fp32)
         if self.attention == "batched" and meta.kernel_plan() is not None:
             return self._attend_batched(q, k, v, layer_idx, meta)
+        if self.attention == "varlen":
+            return self._attend_varlen(q, k, v, layer_idx, meta)
         # The per-row path: a Python loop over requests, and over the rows of continuing ones.
         c = self.config
-        out = torch.empty(q.shape[0], c.num_heads, c.head_dim, dtype=q.dtype)
+        out = torch.empty(q.shape[0], c.num_heads, c.head_dim, dtype=q.dtype, device=q.device)
         start = 0
         for cache, q_len, ctx_len, mask in zip(meta.caches, meta.query_lens, meta.context_lens, meta.masks):
             end = start + q_len
@@ -267,6 +310,35 @@ class DecoderLayer(nn.Module):
             start = end
         return out.view(q.shape[0], c.q_size)
 
+    def _attend_varlen(self, q, k, v, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+        # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim]
+        # One SDPA call for the whole batch over a padded [R, heads, max_q, max_total] layout,
+        # the GPU path (flash / memory-efficient kernels take the boolean mask). NOT
+        # batch-invariant: a row's rounding depends on the padded shape, so speculative greedy
+        # output can differ from plain decoding at near-ties (bit-exact rejection sampling still
+        # holds with respect to the logits this forward computed). The per-request K/V copies
+        # are R small copies per layer: a paged pool with one gather is the next step.
+        c = self.config
+        plan = meta.varlen_plan()
+        r = len(meta.caches)
+        keys = q.new_zeros(r, c.num_kv_heads, plan.max_total_len, c.head_dim)  # [R, kv_heads, max_total, head_dim]
+        values = torch.zeros_like(keys)
+        start = 0
+        for i, (cache, q_len, ctx_len) in enumerate(zip(meta.caches, meta.query_lens, meta.context_lens)):
+            end, total = start + q_len, ctx_len + q_len
+            cache.keys[layer_idx][:, ctx_len:total] = k[start:end].transpose(0, 1)
+            cache.values[layer_idx][:, ctx_len:total] = v[start:end].transpose(0, 1)
+            keys[i, :, :total] = cache.keys[layer_idx][:, :total]
+            values[i, :, :total] = cache.values[layer_idx][:, :total]
+            start = end
+        padded = q.new_zeros(r * plan.max_query_len, c.num_heads, c.head_dim)  # [R * max_q, heads, head_dim]
+        padded[plan.token_rows] = q
+        padded = padded.view(r, plan.max_query_len, c.num_heads, c.head_dim).transpose(1, 2)  # [R, heads, max_q, head_dim]
+        out = F.scaled_dot_product_attention(padded, keys, values, attn_mask=plan.mask,
+                                             enable_gqa=c.num_heads != c.num_kv_heads)  # [R, heads, max_q, head_dim]
+        out = out.transpose(1, 2).reshape(r * plan.max_query_len, c.q_size)
+        return out[plan.token_rows]  # [num_tokens, q_size]
+
     def _attend_batched(self, q, k, v, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         # q, k: [num_tokens, heads or kv_heads, head_dim] fp32; v: [num_tokens, kv_heads, head_dim]
         # One kernel call writes every token's K/V into its cache and one attends every token of
@@ -286,6 +358,7 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, config: ModelConfig, *, compute_dtype: torch.dtype = torch.bfloat16):
         super().__init__()
+        # built on the CPU; `from_dir(device=...)` / `.to(device)` then `set_attention` move it
         self.config = config
         self.compute_dtype = compute_dtype
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)  # fp32: also the LM head when tied
@@ -301,10 +374,15 @@ class Transformer(nn.Module):
         """How continuing rows attend: "batched" (one kernel call per layer for all of them,
         dspark/model/attention.py) or "per-row" (one 1-row SDPA per row, the old path). Both are
         batch-invariant but round differently: switch only between generations, never within
-        one. "batched" falls back to "per-row" where the kernel cannot be built. Returns the mode
+        one. "batched" falls back to "per-row" where the kernel cannot be built. "varlen" (one
+        SDPA per layer over the padded batch, any device, not batch-invariant) is the mode off
+        the CPU, where the kernel does not run: "batched" there means "varlen". Returns the mode
         in use."""
         if mode not in ATTENTION_MODES:
             raise ValueError(f"attention mode must be one of {list(ATTENTION_MODES)}, got {mode!r}")
+        self.attention_requested = mode
+        if mode == "batched" and self.embed.weight.device.type != "cpu":
+            mode = "varlen"
         if mode == "batched" and not attention.kernel_available(self.config.head_dim):
             mode = "per-row"
         self.attention = mode
@@ -320,7 +398,8 @@ class Transformer(nn.Module):
         that path has not been needed since compact weights)."""
         c = self.config
         dtype_ok = self.compact or self.compute_dtype == torch.bfloat16
-        return (dtype_ok and not c.attention_bias and not c.qk_norm
+        on_cpu = self.embed.weight.device.type == "cpu"  # the fused kernels are C++ on host memory
+        return (dtype_ok and on_cpu and not c.attention_bias and not c.qk_norm
                 and c.hidden_size <= MAX_REDUCTION and c.head_dim % 2 == 0 and fused_ops.available())
 
     def set_fused(self, on: bool) -> bool:
@@ -372,6 +451,9 @@ class Transformer(nn.Module):
         (kept fp32). On this CPU the packed fp32 LM head is also batch-invariant, which MKL's
         sgemm is not, and 4x faster at 8 rows (20.6 -> 4.6 ms)."""
         c = self.config
+        if self.embed.weight.device.type != "cpu":  # oneDNN packing is CPU-only: cuBLAS reads the weights as they are
+            self.__dict__.pop("lm_head_packed", None)
+            return
         if self.compact:  # the compact head of use_compact_weights stays
             head = self.__dict__["lm_head_packed"]
         else:
@@ -509,9 +591,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16,
-                 compact: bool = False) -> "Transformer":
+                 compact: bool = False, device: torch.device | str = "cpu") -> "Transformer":
         """compact: with fp32 compute, hold the weights compact where every layer has an exact
-        format (use_compact_weights; `model.compact` says whether it happened)."""
+        format (use_compact_weights; `model.compact` says whether it happened; CPU only).
+        device: where the weights live; off the CPU, attention is "varlen" and the fused CPU
+        kernels are off."""
         from safetensors.torch import load_file
 
         model_dir = Path(model_dir)
@@ -525,7 +609,24 @@ class Transformer(nn.Module):
         model.load_hf_state_dict(sd)
         del sd
         model.eval().requires_grad_(False)
+        device = torch.device(device)
+        if device.type != "cpu":
+            if compact:
+                raise ValueError(f"compact weights run on the CPU only, not on {device}")
+            return model.place_on(device)
         if compact:
             model.use_compact_weights()
         model.prepare_for_inference()
         return model
+
+    def place_on(self, device: torch.device | str) -> "Transformer":
+        """Move the weights to `device` and set the modes that run there: off the CPU, "varlen"
+        attention (for a requested "batched") and no fused CPU kernels; then prepare for
+        inference. Dense weights only (compact ones are CPU kernels)."""
+        if self.compact and torch.device(device).type != "cpu":
+            raise ValueError(f"compact weights run on the CPU only, not on {device}")
+        self.to(device)
+        self.set_attention(self.attention_requested)
+        self.set_fused(self.fused_requested)
+        self.prepare_for_inference()
+        return self

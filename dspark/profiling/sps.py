@@ -62,6 +62,12 @@ class SPSProfile:
         return cls(**json.loads(text))
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def profile_sps(
     runtime: TargetRuntime,
     *,
@@ -94,6 +100,7 @@ def profile_sps(
             for _ in range(repeats + 1):  # the first run warms caches and allocator
                 t0 = time.perf_counter()
                 runtime.forward(batch_ids, tokens, lens)
+                synchronize(runtime.device)  # a GPU step ends when its kernels do, not when they are queued
                 samples.append(time.perf_counter() - t0)
                 for rid in batch_ids:
                     runtime.truncate(rid, context_len)

@@ -68,6 +68,12 @@ class DraftProbs:
     def is_sparse(self) -> bool:
         return self.dense is None
 
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "DraftProbs":
+        """The same rows on `device` (the verifier's), without a copy where they already are."""
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+        return DraftProbs(dense=move(self.dense), sparse_ids=move(self.sparse_ids), sparse_probs=move(self.sparse_probs))
+
 
 @dataclass
 class RejectionBatch:

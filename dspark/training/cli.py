@@ -190,8 +190,11 @@ def cmd_export(args) -> int:
     from dspark.model.model_store import resolve_model_dir
     from dspark.model.transformer import Transformer
 
+    from dspark.drafters import deepspec_format
+
     try:
-        DSparkConfig.from_json((Path(args.drafter) / "config.json").read_text())
+        if not deepspec_format.is_deepspec_checkpoint(args.drafter):  # a DeepSpec one is translated on load
+            DSparkConfig.from_json((Path(args.drafter) / "config.json").read_text())
         target = Transformer.from_dir(resolve_model_dir(args.model))
         out = export_checkpoint(args.drafter, args.out, storage_dtype=args.dtype, shared=SharedWeights.from_target(target))
     except (FileNotFoundError, ValueError) as e:

@@ -171,7 +171,7 @@ def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
     if capture is not None:
         from dspark.model.target_runtime import TargetConfig, TargetRuntime
 
-        runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, weights=m.weights, kv_budget_mb=1, capture_layers=capture))
+        runtime = TargetRuntime.load(TargetConfig.of(m, capture_layers=capture, kv_budget_mb=1))
     drafter = make_drafter(d.name, runtime=runtime, path=d.path or None, top_k=d.top_k)
     return drafter, model_config.vocab_size, model_config.hidden_size
 

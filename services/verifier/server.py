@@ -123,14 +123,13 @@ def warm_up(verifier: LocalVerifier) -> float:
 def build_local_verifier(config: ServingConfig) -> LocalVerifier:
     """Load the target for `config`, warm it up and (unless sps_max_batch = 0) profile SPS(B)."""
     from dspark.drafters import drafter_capture_layers
-    from dspark.model.target_runtime import TargetConfig, TargetRuntime
+    from dspark.model.target_runtime import TargetConfig, TargetRuntime, resolve_device
     from dspark.profiling.sps import profile_sps
 
     m, d, v = config.model, config.drafter, config.verifier
-    resolve_sampler_backend(v.sampler_backend, "cpu")  # the runtime keeps the target on the CPU: refuse triton before loading it
+    resolve_sampler_backend(v.sampler_backend, resolve_device(m.device))  # refuse triton off CUDA before loading the target
     capture = drafter_capture_layers(d.name, d.path or None)  # the layers the drafter reads, if any
-    runtime = TargetRuntime.load(TargetConfig(model=m.name, dtype=m.dtype, weights=m.weights, kv_budget_mb=m.kv_budget_mb, capture_layers=capture,
-                                              max_model_len=m.max_model_len or None))
+    runtime = TargetRuntime.load(TargetConfig.of(m, capture_layers=capture))
     verifier = LocalVerifier(runtime, sampler_backend=v.sampler_backend)
     log.info("warm-up took %.2f s", warm_up(verifier))
     if v.sps_max_batch > 0:

@@ -569,6 +569,20 @@ def test_only_the_gpu_overlay_puts_drafter_and_verifier_on_gpus(name):
 
 
 @ALL
+def test_the_device_each_model_service_runs_on_is_the_device_its_pod_gets(name):
+    """model.device, as the pod's environment resolves it: cuda exactly where the container
+    is given a GPU (the drafter and the verifier of the gpu overlay), cpu everywhere else; a
+    pod that asked for cuda without a GPU would fail at start-up, one with a GPU and cpu would
+    leave it idle."""
+    objects = render(name)
+    for service in ("drafter", "verifier"):
+        resources = the_container(objects, service)["resources"]
+        has_gpu = "nvidia.com/gpu" in resources.get("limits", {})
+        device = serving_config(objects, service).model.device
+        assert device == ("cuda" if has_gpu else "cpu"), f"{name}: {service} runs on {device!r}, GPU limit: {has_gpu}"
+
+
+@ALL
 def test_only_the_gateway_is_exposed_and_on_a_node_port_only_locally(name):
     for svc in of_kind(render(name), "Service"):
         kind = svc["spec"].get("type", "ClusterIP")

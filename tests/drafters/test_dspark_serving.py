@@ -17,6 +17,7 @@ from dspark.drafters.dspark.serving import DSparkServingDrafter
 from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
+from tests.conftest import make_runtime_on
 from tests.drafters.engine_checks import (
     GREEDY,
     assert_sampling_is_lossless,
@@ -34,7 +35,7 @@ def make_serving_drafter(runtime, *, seed: int = 0, top_k: int = 0, block_size: 
     model = DSparkDrafter(config, shared=SharedWeights.from_target(runtime.model))
     with torch.no_grad():  # a Markov head that actually moves the distribution (it starts at zero)
         model.head.w2.normal_(0.0, 0.5)
-    return DSparkServingDrafter(model, top_k=top_k)
+    return DSparkServingDrafter(model.to(runtime.device), top_k=top_k)  # beside the target's shared weights
 
 
 def test_greedy_output_with_the_dspark_drafter_equals_plain_decoding(tiny_runtime_factory):
@@ -176,3 +177,24 @@ def test_requests_drafted_in_one_batch_get_what_each_gets_alone(tiny_runtime_fac
             if a is not None:
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         assert torch.equal(torch.rand(1, generator=req.generator), next_uniform), rid  # the same uniforms were drawn
+
+
+@pytest.mark.device
+def test_on_the_device_greedy_output_equals_plain_decoding(device):
+    """Target and drafter on the device (pytest --device; the GPU's modes on the CPU otherwise),
+    fp32 weights: the engine still emits plain decoding's tokens, with drafts accepted."""
+    runtime = make_runtime_on(device, capture_layers=(1, 3), compute_dtype=torch.float32)
+    drafter = make_serving_drafter(runtime)
+    assert drafter.device == runtime.device
+    plain, spec = greedy_plain_and_speculative(runtime, drafter, [[5, 6, 7, 8, 9], [1, 2, 3, 1, 2, 3, 1, 2], list(range(40, 70))])
+    assert [s.output_ids for s in spec] == [s.output_ids for s in plain]
+    drafted, accepted = totals(spec)
+    assert drafted > 0 and accepted > 0
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("top_k", [0, 3], ids=["dense-rows", "sparse-top3-rows"])
+def test_on_the_device_sampled_tokens_have_exactly_the_target_distribution(device, top_k):
+    runtime = make_runtime_on(device, vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
+                              capture_layers=(0, 1))
+    assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2), num_samples=3000)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint_io import load_weights, read_config_json, save_weights
+from dspark.drafters import deepspec_format
+from dspark.drafters.checkpoint_io import load_state, load_weights, read_config_json, save_weights
 from dspark.drafters.dflash.config import DFlashConfig
 from dspark.drafters.dflash.model import DFlashDrafter
 from dspark.drafters.shared import SharedWeights
@@ -26,6 +27,11 @@ def save_checkpoint(directory: str | Path, *, drafter: DFlashDrafter, storage_dt
 
 
 def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str | torch.device = "cpu") -> DFlashDrafter:
+    if deepspec_format.is_deepspec_checkpoint(directory):  # DeepSpec's released layout, translated (deepspec_format.py)
+        config, state = deepspec_format.load(directory, algo="dflash", shared=shared)
+        drafter = DFlashDrafter(config, shared=shared)
+        load_state(drafter, state, source=directory)
+        return drafter.to(device)
     config = DFlashConfig.from_json(read_config_json(directory, algo="dflash"))
     drafter = DFlashDrafter(config, shared=shared)  # checks shared shapes against the config
     load_weights(directory, module=drafter, fmt=FORMAT, device=device)

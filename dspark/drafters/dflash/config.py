@@ -43,6 +43,10 @@ class DFlashConfig(DrafterConfigBase):
     qk_norm: bool = False
     num_layers: int = 2
     block_size: int = 7  # γ draft tokens; the block holds γ + 1 inputs: x_0 and γ masks
+    # False (default, the original DFlash): the block is [x_0, mask × γ] and the anchor's own output
+    # predicts nothing. True (DeepSpec's DFlash checkpoints): the block is [x_0, mask × (γ-1)] and
+    # block position k-1 predicts x_k, the anchor's output included (DSpark's block without its heads).
+    anchor_predicts: bool = False
     # ---- training loss ---------------------------------------------------------------------
     position_decay: float = 4.0  # γ_w in w_k = exp(-(k-1)/γ_w) (DFlash: 4 for its block of 8)
 
@@ -59,8 +63,12 @@ class DFlashConfig(DrafterConfigBase):
         return ALGO
 
     @property
-    def block_len(self) -> int:  # inputs per block: x_0 + γ masks
-        return self.block_size + 1
+    def block_len(self) -> int:  # inputs per block: x_0 + γ masks (γ - 1 masks when the anchor predicts)
+        return self.block_size if self.anchor_predicts else self.block_size + 1
+
+    @property
+    def first_draft_slot(self) -> int:  # the block position whose output predicts x_1
+        return 0 if self.anchor_predicts else 1
 
     def backbone_geometry(self) -> DSparkConfig:
         """The same backbone as a DSparkConfig (raises ValueError on an invalid geometry)."""

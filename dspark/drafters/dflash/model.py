@@ -7,6 +7,8 @@ One block (anchor x_0 at absolute position t, γ = block_size):
   * output        the mask at position t + k (k = 1..γ) predicts the token at t + k:
                   p_k = softmax(LMHead(h_k)), each position independently; the anchor's own
                   output predicts nothing.
+(`DFlashConfig.anchor_predicts`: DeepSpec's DFlash instead feeds [x_0, mask × (γ-1)] and reads
+all γ outputs, the anchor's predicting x_1, exactly DSpark's block without its heads.)
 So DFlash spends one more block position than DSpark (which predicts from the anchor position
 itself) and has no sequential or confidence head: x_k's distribution cannot react to the x_<k
 actually drawn in the round. Training (dspark train --algo dflash) is cross-entropy with
@@ -30,8 +32,10 @@ class DFlashDrafter(ParallelBackbone):
         super().__init__(config, shared=shared, block_len=config.block_len)
 
     def mask_hidden(self, batch: BlockBatch) -> torch.Tensor:
-        """h_1..h_γ of the mask positions [rows, blocks_per_row, γ, hidden] (the anchor's dropped)."""
-        return self.encode(batch)[:, :, 1:]
+        """h_1..h_γ, the outputs predicting x_1..x_γ [rows, blocks_per_row, γ, hidden]: the mask
+        positions (the anchor's dropped), or the whole block with `anchor_predicts`."""
+        first = self.config.first_draft_slot
+        return self.encode(batch)[:, :, first : first + self.config.block_size]
 
     def forward(self, batch: BlockBatch) -> torch.Tensor:  # [rows, blocks_per_row, γ, V] fp32
         """Training: logits of x_1..x_γ for every block (padding blocks included; mask them)."""

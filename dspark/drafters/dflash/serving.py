@@ -41,7 +41,7 @@ class DFlashServingDrafter(DSparkServingDrafter):
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DFlashServingDrafter:
-        model = load_checkpoint(path, shared=SharedWeights.from_target(target))
+        model = load_checkpoint(path, shared=SharedWeights.from_target(target), device=target.embed.weight.device)
         model.config.check_target(target.config)
         return cls(model, top_k=top_k, top_p=top_p, logits_fn=target.compute_logits)
 
@@ -52,7 +52,9 @@ class DFlashServingDrafter(DSparkServingDrafter):
         if not active:
             return out
         steps = max(requests[i].max_draft_tokens for i in active)  # the LM head runs only as far as some request drafts
-        hidden = self._encode_blocks(requests, active)[:, 1 : 1 + steps]  # [n, steps, hidden]: the masks (the anchor's own output predicts nothing)
+        # 1: the masks (the anchor's own output predicts nothing); 0 with anchor_predicts (DeepSpec's block)
+        first = self.model.config.first_draft_slot
+        hidden = self._encode_blocks(requests, active)[:, first : first + steps]  # [n, steps, hidden]
         logits = self._base_logits(hidden)  # [n, steps, V]
         vocab = logits.shape[-1]
         for row, i in enumerate(active):
@@ -60,7 +62,8 @@ class DFlashServingDrafter(DSparkServingDrafter):
             k = req.max_draft_tokens
             temperature = req.params.temperature
             tokens, probs = draw_tokens(logits[row, :k], temperature=temperature, top_k=self.top_k, top_p=self.top_p,
-                                        generator=req.generator)
+                                        generator=self._generator(req))
+            tokens, probs = tokens.cpu(), None if probs is None else probs.cpu()  # host data for the engine (no copy on the CPU)
             truncated = is_truncated(temperature=temperature, top_k=self.top_k, top_p=self.top_p, vocab_size=vocab)
             out[i] = to_proposal(tokens, probs, truncated=truncated)
         return out

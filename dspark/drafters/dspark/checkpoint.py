@@ -12,6 +12,8 @@ Layout of a checkpoint directory:
                        calibration): one fit for sampled requests (survival = the rejection test passes)
                        and one for greedy requests (survival = the draft equals the target's argmax);
                        the serving drafter picks by the request's temperature
+A directory in DeepSpec's released layout (config.json naming Qwen3DSparkModel, HF tensor names)
+loads too, translated by dspark/drafters/deepspec_format.py (an sts.json beside it is read as usual).
 No pickle anywhere: safetensors and JSON only (dspark/drafters/checkpoint_io.py, shared with the
 baselines). Loading checks the config against the tensors (missing / unexpected names, shapes)
 and fails with a message naming every mismatch.
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint_io import STORAGE_DTYPES, load_weights, read_config_json, save_weights
+from dspark.drafters import deepspec_format
+from dspark.drafters.checkpoint_io import STORAGE_DTYPES, load_state, load_weights, read_config_json, save_weights
 from dspark.drafters.dspark.config import DSparkConfig
 from dspark.drafters.dspark.model import DSparkDrafter
 from dspark.drafters.shared import SharedWeights
@@ -89,6 +92,13 @@ def _check_temperatures(values: list, *, block_size: int, source: str) -> list[f
 
 
 def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str | torch.device = "cpu") -> DrafterCheckpoint:
+    if deepspec_format.is_deepspec_checkpoint(directory):  # DeepSpec's released layout, translated (deepspec_format.py)
+        config, state = deepspec_format.load(directory, algo="dspark", shared=shared)
+        drafter = DSparkDrafter(config, shared=shared)
+        load_state(drafter, state, source=directory)
+        return DrafterCheckpoint(drafter=drafter.to(device),
+                                 temperatures=load_temperatures(directory, block_size=config.block_size),
+                                 greedy_temperatures=load_temperatures(directory, block_size=config.block_size, regime="greedy"))
     config = DSparkConfig.from_json(read_config_json(directory, algo="dspark"))
     drafter = DSparkDrafter(config, shared=shared)  # checks shared shapes against the config
     load_weights(directory, module=drafter, fmt=FORMAT, device=device)  # upcasts a bf16 / fp16 file into fp32

@@ -18,7 +18,7 @@ from typing import Any
 from dspark.drafters.config_json import DrafterConfigBase, check_geometry, check_shares_target, config_for_target, target_geometry
 from dspark.model.config import ModelConfig
 
-HEAD_TYPES = ("markov", "rnn")
+HEAD_TYPES = ("markov", "rnn", "gated")
 
 
 def default_target_layer_ids(num_target_layers: int, count: int = 5) -> tuple[int, ...]:
@@ -49,13 +49,16 @@ class DSparkConfig(DrafterConfigBase):
     num_layers: int = 2  # a 2-layer DSpark beats a 5-layer DFlash (docs/method.md §10); ~1/15 of a 30-layer target
     block_size: int = 7  # γ: one anchor in, γ draft tokens out
     # ---- sequential + confidence heads -----------------------------------------------------
-    head_type: str = "markov"  # "markov" (default) | "rnn" (docs/method.md §2, RNN head)
+    head_type: str = "markov"  # "markov" (default) | "rnn" (docs/method.md §2, RNN head) | "gated" (DeepSpec's gated Markov head)
     markov_rank: int = 256  # r: W1 ∈ R^{V×r}, W2 ∈ R^{r×N}; also the RNN state size
     # N, the draft vocabulary (FR-Spec; EAGLE-3's draft_vocab_size): the LM head and the sequential
     # head's output cover only N target tokens (the checkpoint's `draft_to_target` map, the most
     # frequent tokens of the target's own outputs); p_d is zero elsewhere, the verifier still uses
     # the full vocabulary (docs/method.md §6). None = the whole target vocabulary.
     draft_vocab_size: int | None = None
+    # the confidence head reads [h_k ; W1[x_{k-1}]] (True, the default and DeepSpec's released
+    # drafters) or h_k alone (False: DeepSpec's confidence_head_with_markov = false)
+    confidence_reads_prev: bool = True
     # ---- training loss (docs/method.md §3) -------------------------------------------------
     ce_weight: float = 0.1
     tv_weight: float = 0.9

@@ -7,8 +7,11 @@ where U_k are the parallel backbone's logits and B_k the head's bias given the p
 - Markov head (default):  B(x_{k-1}, ·) = W1[x_{k-1}] W2,  W1 ∈ R^{V×r}, W2 ∈ R^{r×N}.
 - RNN head (Eq. 6):       z_k = [s_{k-1}; W1[x_{k-1}]; h_k],  [g̃; c̃; õ] = W z_k + b,
                           g = σ(g̃),  s_k = g ⊙ s_{k-1} + (1-g) ⊙ tanh(c̃),  B_k = W2ᵀ tanh(õ),  s_0 = 0.
+- Gated Markov head:      B(x_{k-1}, h_k, ·) = (σ(W_g [h_k ; W1[x_{k-1}]] + b_g) ⊙ W1[x_{k-1}]) W2
+                          (DeepSpec's "gated" head: the bigram bias scaled per rank by the backbone state).
 - Confidence head:        c_k = σ(wᵀ [h_k ; W1[x_{k-1}]] + b), the probability that x_k survives
-                          verification given x_1..x_{k-1} were accepted.
+                          verification given x_1..x_{k-1} were accepted (or σ(wᵀ h_k + b) with
+                          `reads_prev` False, as a DeepSpec checkpoint may have it).
 W1 is ONE table per drafter, read by the sequential head and the confidence head alike; it is
 indexed by TARGET token ids (x_0 may be any token). U_k, B_k and p_k live on the drafter's output
 vocabulary of N tokens: the whole target vocabulary (N = V), or a draft vocabulary whose index i
@@ -116,7 +119,39 @@ class RNNHead(nn.Module):
         return torch.stack(biases, dim=1)
 
 
-SequentialHead = MarkovHead | RNNHead
+class GatedMarkovHead(nn.Module):
+    """The Markov bias with a per-rank gate from the backbone state (memoryless, like MarkovHead):
+    B = (σ(W_g [h_k ; W1[x_{k-1}]] + b_g) ⊙ W1[x_{k-1}]) W2. DeepSpec's "gated" head type."""
+
+    def __init__(self, *, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None):
+        super().__init__()
+        self.w1 = nn.Embedding(vocab_size, rank)  # [V, r]
+        self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N]
+        self.gate = nn.Linear(hidden_size + rank, rank)  # [r, hidden + r] (+ bias [r]), input [h_k ; W1[x_{k-1}]]
+        self.__dict__["w2_gemm"] = None  # serving: x -> x W2 prepacked, row-invariant (dspark/drafters/serving_gemms.py)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [n, r] -> [n, N] = x W2
+        gemm = self.__dict__["w2_gemm"]
+        return x @ self.w2 if gemm is None else gemm(x.float())
+
+    def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
+        return None
+
+    def gated(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # prev_emb: [..., r], hidden: [..., hidden] -> σ(W_g [h ; e] + b_g) ⊙ e [..., r]
+        return torch.sigmoid(self.gate(torch.cat([hidden, prev_emb], dim=-1))) * prev_emb
+
+    def step(self, prev_emb: torch.Tensor, hidden: torch.Tensor, state: HeadState) -> tuple[torch.Tensor, HeadState]:
+        # prev_emb: [n, r], hidden: [n, hidden] -> bias [n, N], state (None)
+        return self.project(self.gated(prev_emb, hidden)), state
+
+    def teacher_forced(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        # prev_emb: [n, γ, r], hidden: [n, γ, hidden] -> [n, γ, N]; memoryless: every position at once
+        return self.gated(prev_emb, hidden) @ self.w2
+
+
+SequentialHead = MarkovHead | RNNHead | GatedMarkovHead
 
 
 def make_sequential_head(*, head_type: str, vocab_size: int, rank: int, hidden_size: int,
@@ -126,15 +161,19 @@ def make_sequential_head(*, head_type: str, vocab_size: int, rank: int, hidden_s
         return MarkovHead(vocab_size=vocab_size, rank=rank, output_size=output_size)
     if head_type == "rnn":
         return RNNHead(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size, output_size=output_size)
-    raise ValueError(f"head_type must be 'markov' or 'rnn', got {head_type!r}")
+    if head_type == "gated":
+        return GatedMarkovHead(vocab_size=vocab_size, rank=rank, hidden_size=hidden_size, output_size=output_size)
+    raise ValueError(f"head_type must be 'markov', 'rnn' or 'gated', got {head_type!r}")
 
 
 class ConfidenceHead(nn.Module):
-    """Raw confidence logit wᵀ[h_k ; W1[x_{k-1}]] + b; c_k = σ(logit) (before STS calibration)."""
+    """Raw confidence logit wᵀ[h_k ; W1[x_{k-1}]] + b; c_k = σ(logit) (before STS calibration).
+    reads_prev False: wᵀ h_k + b (a DeepSpec checkpoint trained with confidence_head_with_markov off)."""
 
-    def __init__(self, *, hidden_size: int, rank: int):
+    def __init__(self, *, hidden_size: int, rank: int, reads_prev: bool = True):
         super().__init__()
-        self.proj = nn.Linear(hidden_size + rank, 1)  # w: [1, hidden + r], b: [1]
+        self.reads_prev = reads_prev
+        self.proj = nn.Linear(hidden_size + (rank if reads_prev else 0), 1)  # w: [1, hidden + r] (or [1, hidden]), b: [1]
 
     def forward(
         self,
@@ -144,7 +183,7 @@ class ConfidenceHead(nn.Module):
         # a product and a sum over the last dim, not a [rows, hidden + r] x [hidden + r, 1] GEMM:
         # each row's logit is then the same bits however many rows are computed at once (serving
         # computes a batch's positions together; a seeded request must not see its neighbours)
-        z = torch.cat([hidden, prev_emb], dim=-1)  # [..., hidden + r]
+        z = torch.cat([hidden, prev_emb], dim=-1) if self.reads_prev else hidden  # [..., hidden + r] (or [..., hidden])
         return (z * self.proj.weight[0]).sum(dim=-1) + self.proj.bias[0]
 
 
@@ -165,6 +204,12 @@ class DraftSample:
     dense_probs: torch.Tensor | None = None  # [n, γ, V] fp32
     sparse_ids: torch.Tensor | None = None  # [n, γ, width] int64, -1 = padding
     sparse_probs: torch.Tensor | None = None  # [n, γ, width] fp32
+
+    def to(self, device: torch.device | str) -> "DraftSample":
+        """The same sample on `device` (serving on a GPU hands the engine host tensors: one copy a round)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return DraftSample(tokens=move(self.tokens), confidence_logits=move(self.confidence_logits), dense_probs=move(self.dense_probs),
+                           sparse_ids=move(self.sparse_ids), sparse_probs=move(self.sparse_probs))
 
     def proposal(self, row: int, *, num_tokens: int | None = None, confidences: torch.Tensor | None = None) -> DraftProposal:
         """Row `row` (its first `num_tokens` drafts) in the engine's contract, dense or sparse as
@@ -293,6 +338,6 @@ def teacher_forced_logits(
 
 
 __all__ = [
-    "ConfidenceHead", "DraftSample", "MarkovHead", "RNNHead", "SequentialHead",
+    "ConfidenceHead", "DraftSample", "GatedMarkovHead", "MarkovHead", "RNNHead", "SequentialHead",
     "make_sequential_head", "sample_sequential", "teacher_forced_logits",
 ]

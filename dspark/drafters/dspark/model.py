@@ -369,7 +369,7 @@ class DSparkDrafter(ParallelBackbone):
         c = config
         self.head = make_sequential_head(head_type=c.head_type, vocab_size=c.vocab_size, rank=c.markov_rank,
                                          hidden_size=c.hidden_size, output_size=c.output_vocab_size)
-        self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank)
+        self.confidence_head = ConfidenceHead(hidden_size=c.hidden_size, rank=c.markov_rank, reads_prev=c.confidence_reads_prev)
         # [N] int64, the target id of each draft index (a saved buffer: the map is part of the
         # checkpoint); absent without a draft vocabulary. Loading a checkpoint overwrites it.
         if c.draft_vocab_size is not None:

@@ -44,6 +44,7 @@ class DSparkServingDrafter(Drafter):
     ):
         # the model is taken over for serving: its GEMMs swapped in place for row-invariant fast ones (serving_gemms.py)
         self.model = serving_gemms.prepare_for_serving(model.eval())
+        self.device: torch.device = next(model.parameters()).device  # the target's shared weights' (TargetConfig.device)
         if isinstance(model, DSparkDrafter) and serving_gemms.available(model):  # the sequential head's x W2, all rows at once
             model.head.__dict__["w2_gemm"] = serving_gemms.serving_gemm(model.head.w2.detach().t())  # x W2 = x (W2ᵀ)ᵀ
         if serving_gemms.available(model):  # each layer's context keys/values: W_K, W_V rows of its qkv weight
@@ -60,6 +61,9 @@ class DSparkServingDrafter(Drafter):
         self._kv: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lengths: dict[str, int] = {}  # positions in the cache (projected)
         self._pending: dict[str, list[torch.Tensor]] = {}  # observed, not yet projected: [num_new, m, hidden] each
+        # off the CPU: each sampled request's draft stream on the device, seeded once from the
+        # engine's host stream (so a seeded request still drafts the same on every run)
+        self._device_generators: dict[str, torch.Generator] = {}
 
     @property
     def spec(self) -> DrafterSpec:
@@ -71,7 +75,7 @@ class DSparkServingDrafter(Drafter):
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> DSparkServingDrafter:
-        ckpt = load_checkpoint(path, shared=SharedWeights.from_target(target))
+        ckpt = load_checkpoint(path, shared=SharedWeights.from_target(target), device=target.embed.weight.device)
         ckpt.drafter.config.check_target(target.config)
         # Without a draft vocabulary: the shared LM head through the target's prepacked GEMM (4x
         # faster than a plain fp32 matmul for γ rows here, and the same weight). With one, the
@@ -85,7 +89,7 @@ class DSparkServingDrafter(Drafter):
     def observe(self, request_id: str, features: torch.Tensor) -> None:
         """The target's captured layer outputs of newly verified positions, [num_new, m, hidden]:
         kept until the request drafts (_project_pending)."""
-        self._pending.setdefault(request_id, []).append(features)
+        self._pending.setdefault(request_id, []).append(features.to(self.device, non_blocking=True))
 
     @torch.no_grad()
     def _project_pending(self, request_id: str) -> None:
@@ -97,12 +101,12 @@ class DSparkServingDrafter(Drafter):
         features = chunks[0] if len(chunks) == 1 else torch.cat(chunks)  # [num_new, m, hidden]
         n = features.shape[0]
         length = self._lengths.get(request_id, 0)
-        positions = torch.arange(length, length + n)
+        positions = torch.arange(length, length + n, device=self.device)
         new_kv = self.model.context_kv(features.unsqueeze(0).float(), positions=positions)  # per layer [1, n, kvh, d] x 2
         bufs = self._kv.get(request_id)
         if bufs is None or length + n > bufs[0][0].shape[0]:
             capacity = max(2 * (length + n), 64)
-            grown = [tuple(torch.empty(capacity, *k.shape[2:]) for _ in range(2)) for k, _ in new_kv]
+            grown = [tuple(torch.empty(capacity, *k.shape[2:], device=self.device) for _ in range(2)) for k, _ in new_kv]
             if bufs is not None:
                 for (gk, gv), (k, v) in zip(grown, bufs):
                     gk[:length], gv[:length] = k[:length], v[:length]
@@ -116,6 +120,19 @@ class DSparkServingDrafter(Drafter):
         self._kv.pop(request_id, None)
         self._lengths.pop(request_id, None)
         self._pending.pop(request_id, None)
+        self._device_generators.pop(request_id, None)
+
+    def _generator(self, request: DraftRequest) -> torch.Generator | None:
+        """The generator the request's drafts are drawn with: its own on the CPU, else a device
+        stream seeded from it on first use."""
+        host = request.generator
+        if host is None or self.device.type == "cpu":
+            return host
+        gen = self._device_generators.get(request.request_id)
+        if gen is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=host))
+            gen = self._device_generators[request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
 
     def context_len(self, request_id: str) -> int:
         return self._lengths.get(request_id, 0) + sum(f.shape[0] for f in self._pending.get(request_id, ()))
@@ -129,7 +146,7 @@ class DSparkServingDrafter(Drafter):
         out = []
         for layer in range(len(self.model.layers)):
             k0 = self._kv[request_ids[0]][layer][0]
-            keys = torch.zeros(len(request_ids), longest, *k0.shape[1:])
+            keys = torch.zeros(len(request_ids), longest, *k0.shape[1:], device=self.device)
             values = torch.zeros_like(keys)
             for row, (rid, n) in enumerate(zip(request_ids, lengths)):
                 k, v = self._kv[rid][layer]
@@ -156,8 +173,8 @@ class DSparkServingDrafter(Drafter):
             anchors.append(t)
         ids = [requests[i].request_id for i in active]
         return self.model.encode_with_context_kv(
-            anchor_positions=torch.tensor(anchors).unsqueeze(1),  # [n, 1]
-            anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active]).unsqueeze(1),  # [n, 1]
+            anchor_positions=torch.tensor(anchors, device=self.device).unsqueeze(1),  # [n, 1]
+            anchor_tokens=torch.tensor([requests[i].token_ids[-1] for i in active], device=self.device).unsqueeze(1),  # [n, 1]
             context_kv=self._batched_context_kv(ids, anchors),
         )[:, 0]  # [n, block_len, hidden]
 
@@ -191,16 +208,18 @@ class DSparkServingDrafter(Drafter):
             sample = sample_sequential(
                 base_logits=base_logits[rows, :k],
                 hidden=hidden[rows, :k],
-                anchor_tokens=torch.tensor([r.token_ids[-1] for r in reqs]),
+                anchor_tokens=torch.tensor([r.token_ids[-1] for r in reqs], device=self.device),
                 head=self.model.head,
                 confidence_head=self.model.confidence_head,
                 temperature=temperature,
                 top_k=top_k,
                 top_p=top_p,
-                generator=[r.generator for r in reqs],
+                generator=[self._generator(r) for r in reqs],
                 draft_to_target=self.model.draft_to_target,
                 num_tokens=counts,
             )
+            if self.device.type != "cpu":  # the engine's side is host data: one copy per group and round
+                sample = sample.to("cpu")
             temps = self.greedy_temperatures if temperature == 0.0 else self.temperatures  # STS per regime
             for j, (row, req) in enumerate(zip(rows, reqs)):
                 logits = sample.confidence_logits[j, : counts[j]]  # [k_r]

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.drafters.checkpoint_io import load_weights, read_config_json, save_weights
+from dspark.drafters import deepspec_format
+from dspark.drafters.checkpoint_io import load_state, load_weights, read_config_json, save_weights
 from dspark.drafters.eagle3.config import Eagle3Config
 from dspark.drafters.eagle3.model import Eagle3Drafter
 from dspark.drafters.shared import SharedWeights
@@ -27,6 +28,11 @@ def save_checkpoint(directory: str | Path, *, drafter: Eagle3Drafter, storage_dt
 
 
 def load_checkpoint(directory: str | Path, *, shared: SharedWeights, device: str | torch.device = "cpu") -> Eagle3Drafter:
+    if deepspec_format.is_deepspec_checkpoint(directory):  # DeepSpec's released layout, translated (deepspec_format.py)
+        config, state = deepspec_format.load(directory, algo="eagle3", shared=shared)
+        drafter = Eagle3Drafter(config, shared=shared)
+        load_state(drafter, state, source=directory)
+        return drafter.to(device)
     config = Eagle3Config.from_json(read_config_json(directory, algo="eagle3"))
     drafter = Eagle3Drafter(config, shared=shared)  # checks shared shapes against the config
     load_weights(directory, module=drafter, fmt=FORMAT, device=device)

@@ -23,6 +23,7 @@ from dspark.drafters.config_json import DrafterConfigBase, check_geometry, check
 from dspark.model.config import ModelConfig
 
 ALGO = "eagle3"
+ENTRY_LAYOUTS = ("token", "feature")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class Eagle3Config(DrafterConfigBase):
     # ---- training-time test ----------------------------------------------------------------
     block_size: int = 7  # γ: TTT unroll horizon in training, draft tokens per round in serving
     step_decay: float = 0.8  # step j's loss weight step_decay^(j-1) (EAGLE-3)
+    # How entries are laid out (ENTRY_LAYOUTS). "token" (default): entry p = [embed(x_p) ; g_{p-1}]
+    # at RoPE position p, entry 0 = [embed(x_0) ; 0] attended to like any other. "feature"
+    # (DeepSpec / SpecForge checkpoints): the same pairs indexed by the feature's position, i.e. at
+    # RoPE position p - 1, and no featureless entry: entry 0 is never another entry's key.
+    entry_layout: str = "token"
 
     json_algo = ALGO  # not a field: unannotated
 
@@ -50,6 +56,8 @@ class Eagle3Config(DrafterConfigBase):
         check_geometry(self)
         if not 0 < self.step_decay <= 1:
             raise ValueError(f"step_decay must be in (0, 1], got {self.step_decay}")
+        if self.entry_layout not in ENTRY_LAYOUTS:
+            raise ValueError(f"entry_layout must be one of {ENTRY_LAYOUTS}, got {self.entry_layout!r}")
 
     # ---- derived (and num_context_layers = m fused layers, q_size, kv_size: DrafterConfigBase) -
 
@@ -83,4 +91,4 @@ class Eagle3Config(DrafterConfigBase):
     # JSON (to_dict / from_dict / to_json / from_json, tagged "algo": "eagle3"): DrafterConfigBase
 
 
-__all__ = ["ALGO", "Eagle3Config"]
+__all__ = ["ALGO", "ENTRY_LAYOUTS", "Eagle3Config"]

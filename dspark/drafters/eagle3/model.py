@@ -122,6 +122,13 @@ class Eagle3Drafter(nn.Module):
         # captured: [..., m, hidden] target layer outputs -> g = fc([H(l_1); ...; H(l_m)]) [..., hidden]
         return self.fc(captured.flatten(-2).float())
 
+    @property
+    def first_key_entry(self) -> int:
+        """The first entry other entries attend to: 0, or 1 when the featureless entry 0 is not a
+        key (entry_layout "feature", DeepSpec's drafters have no such entry; it still attends to
+        itself, so its own row of the attention is never empty)."""
+        return 1 if self.config.entry_layout == "feature" else 0
+
     def step(
         self,
         *,
@@ -132,7 +139,10 @@ class Eagle3Drafter(nn.Module):
         mask: torch.Tensor,  # [rows, 1, Q, P + Q] bool
     ) -> tuple[torch.Tensor, KV]:  # o_p [rows, Q, hidden], new keys/values [rows, Q, kv_heads, head_dim] x 2
         embeds = F.embedding(tokens, self.shared.embed).float()
-        return self.layer(embeds, features, rope_cos_sin(positions, self.inv_freq), prefix_kv, mask)
+        # entry_layout "feature": RoPE at the feature's position p - 1 (DeepSpec pairs target hidden
+        # state i with token i + 1 at position i); attention is relative, but this keeps the bits close
+        rope_positions = positions - 1 if self.config.entry_layout == "feature" else positions
+        return self.layer(embeds, features, rope_cos_sin(rope_positions, self.inv_freq), prefix_kv, mask)
 
     def final_hidden(self, out: torch.Tensor) -> torch.Tensor:
         # out: [..., hidden] o_p -> RMSNorm(o_p), the LM head's input
@@ -165,12 +175,14 @@ class Eagle3Drafter(nn.Module):
         features = torch.cat([fused.new_zeros(rows, 1, c.hidden_size), fused], dim=1)  # [rows, L+1, hidden]: g_{p-1}
         positions = torch.arange(n_entries, device=device)
         causal = torch.ones(n_entries, n_entries, dtype=torch.bool, device=device).tril()  # [L+1, L+1]
+        causal[1:, : self.first_key_entry] = False  # entry_layout "feature": entry 0 is no other entry's key
         out, step1_kv = self.step(tokens=context_token_ids, features=features, positions=positions.expand(rows, -1),
                                   prefix_kv=self.empty_kv(rows, device=device), mask=causal.expand(rows, 1, -1, -1))
         anchors = batch.anchor_positions  # [rows, nb]
         own = out.gather(1, anchors.unsqueeze(-1).expand(-1, -1, c.hidden_size))  # [rows, nb, hidden] o_t
         outs = [own]
-        context_ok = positions.view(1, 1, -1) <= anchors.unsqueeze(-1)  # [rows, nb, L+1]: entries 0..t
+        # [rows, nb, L+1]: entries 0..t (1..t with entry_layout "feature")
+        context_ok = (positions.view(1, 1, -1) <= anchors.unsqueeze(-1)) & (positions >= self.first_key_entry)
         same_block = torch.eye(nb, dtype=torch.bool, device=device)  # [nb, nb]
         chain_k: list[torch.Tensor] = []
         chain_v: list[torch.Tensor] = []

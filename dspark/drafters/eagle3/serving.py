@@ -63,6 +63,9 @@ class Eagle3ServingDrafter(Drafter):
 
     @classmethod
     def load(cls, path: str | Path, *, target: Transformer, top_k: int = 0, top_p: float = 1.0) -> Eagle3ServingDrafter:
+        if target.embed.weight.device.type != "cpu":
+            raise ValueError(f"the EAGLE-3 serving drafter runs on the CPU only for now; the target is on "
+                             f"{target.embed.weight.device} (use --drafter dspark or dflash there, or model.device cpu)")
         model = load_checkpoint(path, shared=SharedWeights.from_target(target))
         model.config.check_target(target.config)
         return cls(model, top_k=top_k, top_p=top_p, logits_fn=target.compute_logits)
@@ -139,6 +142,7 @@ class Eagle3ServingDrafter(Drafter):
         values = torch.zeros_like(keys)
         mask = torch.zeros(rows, 1, width, prefix + width, dtype=torch.bool)
         causal = torch.ones(width, width, dtype=torch.bool).tril()  # [C, C]
+        first_key = self.model.first_key_entry  # 1: entry 0 is no other entry's key (entry_layout "feature")
         for r, (req, s, n) in enumerate(zip(reqs, starts, counts)):
             rid = req.request_id
             tokens[r, :n] = torch.tensor(req.token_ids[s : s + n])
@@ -151,6 +155,10 @@ class Eagle3ServingDrafter(Drafter):
                 keys[r, :s], values[r, :s] = self._kv[rid][0][:s], self._kv[rid][1][:s]
             mask[r, 0, :, :s] = True
             mask[r, 0, :, prefix : prefix + width] = causal & (torch.arange(width) < n)  # padded entries are never keys
+            if first_key and s == 0:  # entry_layout "feature": the featureless entry 0 attends to itself only
+                mask[r, 0, 1:, prefix] = False
+            elif first_key:
+                mask[r, 0, :, 0] = False
         o, (k_new, v_new) = self.model.step(tokens=tokens, features=features, positions=positions,
                                             prefix_kv=(keys, values), mask=mask)
         for r, (req, s, n) in enumerate(zip(reqs, starts, counts)):
@@ -180,7 +188,7 @@ class Eagle3ServingDrafter(Drafter):
         for r, (req, n) in enumerate(zip(reqs, committed)):
             k, v = self._kv[req.request_id]
             keys[r, :n], values[r, :n] = k[:n], v[:n]
-            committed_ok[r, :n] = True
+            committed_ok[r, self.model.first_key_entry : n] = True  # entry_layout "feature": entry 0 is never a key
         gamma = max(req.max_draft_tokens for req in reqs)
         vocab = self.model.config.vocab_size
         drawn: list[list[torch.Tensor]] = [[] for _ in reqs]  # per request: tokens [1] per step
