@@ -66,6 +66,9 @@ class TrainBatch:
     # [rows, L + 1] int64 tokens at positions 0..L (0 past a row's last anchor): the tokens of the
     # context, which EAGLE-3's entries [embed(x_p) ; g_{p-1}] read (the parallel drafters do not)
     context_token_ids: torch.Tensor | None = None
+    # the cache's logit stats at the same rows as target_hidden (None for a cache without them):
+    target_lse: torch.Tensor | None = None  # [rows, nb, γ] fp32 log Σ_v exp(logits)
+    target_argmax: torch.Tensor | None = None  # [rows, nb, γ] int64 the target's argmax
 
     @property
     def num_blocks(self) -> int:
@@ -84,10 +87,11 @@ class TrainBatch:
         blocks = BlockBatch(context=b.context.to(device), context_lens=b.context_lens.to(device),
                             anchor_positions=b.anchor_positions.to(device), anchor_tokens=b.anchor_tokens.to(device),
                             block_valid=b.block_valid.to(device))
-        ctx_ids = None if self.context_token_ids is None else self.context_token_ids.to(device)
+        moved = lambda t: None if t is None else t.to(device)  # noqa: E731
         return TrainBatch(blocks=blocks, target_tokens=self.target_tokens.to(device), label_mask=self.label_mask.to(device),
                           target_hidden=self.target_hidden.to(device), sequence_indices=self.sequence_indices,
-                          context_token_ids=ctx_ids)
+                          context_token_ids=moved(self.context_token_ids), target_lse=moved(self.target_lse),
+                          target_argmax=moved(self.target_argmax))
 
 
 def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequence[np.ndarray], *, block_size: int) -> TrainBatch:
@@ -96,6 +100,8 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
     if len(seq_indices) != len(anchors) or not seq_indices:
         raise ValueError(f"need one anchor array per sequence, got {len(seq_indices)} sequences and {len(anchors)} anchor arrays")
     contexts, positions, anchor_tokens, labels, masks, hiddens, context_ids = [], [], [], [], [], [], []
+    with_stats = cache.has_logit_stats
+    stats = []  # per sequence (lse, argmax) [nb, γ] each
     for i, a in zip(seq_indices, anchors):
         if len(a) == 0:
             raise ValueError(f"sequence {cache.sequences[i].id!r} has no anchor (response shorter than 2 tokens?)")
@@ -112,6 +118,9 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
         labels.append(lab)
         masks.append(mask)
         hiddens.append(cache.hidden_rows(i, rows.flatten().numpy()).float().view(*rows.shape, -1))
+        if with_stats:
+            lse, argmax = cache.logit_stats_rows(i, rows.flatten().numpy())
+            stats.append((lse.view(rows.shape), argmax.view(rows.shape)))
     blocks = BlockBatch.from_sequences(contexts=contexts, anchor_positions=positions, anchor_tokens=anchor_tokens)
     rows, nb = blocks.anchor_positions.shape
     d = hiddens[0].shape[-1]
@@ -124,8 +133,16 @@ def build_batch(cache: TargetCache, seq_indices: Sequence[int], anchors: Sequenc
         label_mask[r, : mask.shape[0]] = mask
         target_hidden[r, : hid.shape[0]] = hid
         context_token_ids[r, : ids.shape[0]] = ids
+    target_lse = target_argmax = None
+    if with_stats:
+        target_lse = torch.zeros(rows, nb, block_size)
+        target_argmax = torch.zeros(rows, nb, block_size, dtype=torch.long)
+        for r, (lse, argmax) in enumerate(stats):
+            target_lse[r, : lse.shape[0]] = lse
+            target_argmax[r, : argmax.shape[0]] = argmax
     return TrainBatch(blocks=blocks, target_tokens=target_tokens, label_mask=label_mask, target_hidden=target_hidden,
-                      sequence_indices=list(seq_indices), context_token_ids=context_token_ids)
+                      sequence_indices=list(seq_indices), context_token_ids=context_token_ids,
+                      target_lse=target_lse, target_argmax=target_argmax)
 
 
 def sequence_rng(seed: int, epoch: int, index: int) -> np.random.Generator:

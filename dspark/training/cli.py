@@ -58,7 +58,8 @@ def cmd_cache(args) -> int:
     layers = [int(x) for x in args.capture_layers.split(",")] if args.capture_layers else None
     runtime = _load_runtime(args.model, args.target_dtype, args.kv_budget_mb, layers, weights=args.target_weights)
     stats = build_cache(runtime, records, args.out, dtype=args.dtype, shard_tokens=args.shard_tokens,
-                        batch_tokens=args.batch_tokens, model_name=args.model, progress=not args.no_progress)
+                        batch_tokens=args.batch_tokens, model_name=args.model, progress=not args.no_progress,
+                        lm_head_weight=runtime.model.lm_head_weight)
     rate = stats.written_tokens / stats.seconds if stats.seconds > 0 else float("nan")
     print(json.dumps({"sequences": stats.sequences, "tokens": stats.tokens, "written_tokens": stats.written_tokens,
                       "bytes_per_token": stats.bytes_per_token, "seconds": round(stats.seconds, 2),

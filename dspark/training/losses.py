@@ -68,6 +68,19 @@ def target_probs_from_hidden(
         return torch.softmax(logits, dim=-1)
 
 
+def target_probs_on_vocab(
+    final_hidden: torch.Tensor,  # [n, hidden] the target's final normed hidden states
+    lm_head_rows: torch.Tensor,  # [N, hidden] the LM head's rows of the draft vocabulary D
+    lse: torch.Tensor,  # [n] log Σ_v exp(h·W_v) over the FULL vocabulary (the cache's logits_lse)
+) -> tuple[torch.Tensor, torch.Tensor]:  # p_t on D [n, N] fp32, mass outside D [n] fp32
+    """p_t restricted to D without the V-wide product: p_t(v) = exp(h·W_v - lse) for v in D, and
+    the target's mass outside D, 1 - Σ_D p_t (clamped at 0: lse and the N products round apart by
+    ~1e-7). Equal to softmax(h Wᵀ)[:, D] to fp32 rounding (tests/training/test_losses.py)."""
+    with torch.autocast(device_type=final_hidden.device.type, enabled=False):
+        p = torch.exp(final_hidden.float() @ lm_head_rows.float().t() - lse.float().unsqueeze(-1))  # [n, N]
+    return p, (1.0 - p.sum(dim=-1)).clamp_min(0.0)
+
+
 def weighted_mean(
     values: torch.Tensor,  # [n, γ] per-position loss terms
     weights: torch.Tensor,  # [γ] w_k
@@ -247,5 +260,5 @@ def expected_accepted_length(
 __all__ = [
     "DSparkLoss", "acceptance_rate", "ce_loss", "confidence_loss", "dspark_loss", "expected_acceptance",
     "expected_accepted_length", "greedy_acceptance", "label_positions", "position_weights", "target_hidden_positions",
-    "target_probs_from_hidden", "tv_loss", "vocab_loss_terms", "weighted_mean",
+    "target_probs_from_hidden", "target_probs_on_vocab", "tv_loss", "vocab_loss_terms", "weighted_mean",
 ]

@@ -7,7 +7,13 @@ request's KV freed right after) and we keep, per token:
     captured  [T, m, d]  the outputs of the target's capture layers (the drafter's context)
     hidden    [T, d]     the final normed hidden state (the LM head's input)
 p_t is never stored (O(V) per token): the trainer applies the LM head to the few `hidden` rows
-it samples (`target_probs_from_hidden`), O(d) per token on disk.
+it samples (`target_probs_from_hidden`), O(d) per token on disk. Two numbers per token make that
+cheap with a draft vocabulary D of N << V tokens (docs/method.md §6), computed once from the
+stored (rounded) `hidden` and the target's LM head W:
+    logits_lse     [T]  fp32   log Σ_v exp(h·W_v), the softmax's normaliser at T = 1
+    logits_argmax  [T]  int32  argmax_v h·W_v, the target's greedy token
+so p_t(v) = exp(h·W_v - lse) on v in D needs N rows of W instead of V, and the mass outside D
+is 1 - Σ_D p_t (`target_probs_on_vocab`); a step's vocabulary-sized passes shrink V / N times.
 
 Storage dtype: float16 (default) or bfloat16. numpy has no bfloat16, so bf16 arrays are stored
 as their raw bits in uint16 and viewed back as torch.bfloat16 on read. fp16 keeps 3 more
@@ -19,6 +25,8 @@ Layout of a cache directory:
     shard-00000/tokens.npy          [N] int32            (N = tokens of the shard's sequences)
     shard-00000/captured.npy        [N, m, d]            fp16 / bf16-as-uint16
     shard-00000/hidden.npy          [N, d]
+    shard-00000/logits_lse.npy      [N] float32   (add_logit_stats; caches built before it lack
+    shard-00000/logits_argmax.npy   [N] int32      them, and `dspark cache` adds them on rerun)
     shard-00000/index.json          per sequence: id, split, prompt_len, length, offset
 All arrays are .npy files opened as memory maps. The shard plan (which sequences go to which
 shard) is a pure function of the ordered sequence list and `shard_tokens`, so an interrupted
@@ -49,6 +57,7 @@ META_FILE = "cache.json"
 INDEX_FILE = "index.json"
 STORAGE_DTYPES = {"float16": np.float16, "bfloat16": np.uint16}  # bf16 as raw bits
 SPLITS = ("train", "heldout")
+LOGIT_STATS = ("logits_lse", "logits_argmax")  # per-token arrays add_logit_stats writes
 
 
 # ---- input: the generated responses ------------------------------------------------------------
@@ -186,6 +195,7 @@ def build_cache(
     batch_tokens: int = 4096,
     model_name: str = "",
     progress: bool = True,
+    lm_head_weight: torch.Tensor | None = None,  # [V, d]: also write the logit stats (add_logit_stats)
     max_shards: int | None = None,  # stop after writing this many shards (tests: simulate an interruption)
     log=None,  # callable(str); default prints to stderr
 ) -> CacheStats:
@@ -270,8 +280,45 @@ def build_cache(
         del tokens, captured, hidden
         _atomic_write(d / INDEX_FILE, json.dumps({"sequences": entries}))  # last: marks the shard complete
     bar.close()
+    if lm_head_weight is not None:
+        add_logit_stats(out, lm_head_weight, progress=progress)
     return CacheStats(sequences=len(records), tokens=meta["tokens"], written_tokens=written, bytes_per_token=bpt,
                       seconds=time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def add_logit_stats(cache_dir: str | Path, lm_head_weight: torch.Tensor, *, rows_per_pass: int = 2048,
+                    progress: bool = True) -> int:
+    """Write logits_lse / logits_argmax (module docstring) into every complete shard that lacks
+    them; returns the number of shards written. Computed from the stored hidden rows as the
+    trainer reads them (rounded to the storage dtype, then fp32 @ Wᵀ in fp32), so they describe
+    exactly the p_t the trainer would otherwise compute in full. Each file is written to a
+    temporary name and renamed, the argmax last: a shard with both files is complete."""
+    from tqdm import tqdm
+
+    out = Path(cache_dir)
+    meta = json.loads((out / META_FILE).read_text())
+    weight = lm_head_weight.detach().float()  # [V, d]
+    if tuple(weight.shape) != (meta["vocab_size"], meta["hidden_size"]):
+        raise ValueError(f"LM head {tuple(weight.shape)} does not match the cache's [vocab, hidden] = "
+                         f"[{meta['vocab_size']}, {meta['hidden_size']}]")
+    todo = [i for i in range(meta["shards"]) if (_shard_dir(out, i) / INDEX_FILE).exists()
+            and not all((_shard_dir(out, i) / f"{name}.npy").exists() for name in LOGIT_STATS)]
+    for i in tqdm(todo, disable=not progress or not todo, desc="logit stats", unit="shard"):
+        d = _shard_dir(out, i)
+        hidden = np.load(d / "hidden.npy", mmap_mode="r")  # [N, d]
+        lse = np.empty(hidden.shape[0], dtype=np.float32)
+        argmax = np.empty(hidden.shape[0], dtype=np.int32)
+        for start in range(0, hidden.shape[0], rows_per_pass):
+            h = _from_storage(hidden[start : start + rows_per_pass], meta["dtype"]).float()  # [n, d]
+            logits = h @ weight.t()  # [n, V]
+            lse[start : start + h.shape[0]] = torch.logsumexp(logits, dim=-1).numpy()
+            argmax[start : start + h.shape[0]] = logits.argmax(dim=-1).to(torch.int32).numpy()
+        for name, values in (("logits_lse", lse), ("logits_argmax", argmax)):
+            tmp = d / f"{name}.tmp.npy"
+            np.save(tmp, values)
+            os.replace(tmp, d / f"{name}.npy")
+    return len(todo)
 
 
 def _forward_batches(seqs: Sequence[SequenceRecord], batch_tokens: int) -> Iterable[list[SequenceRecord]]:
@@ -385,11 +432,25 @@ class TargetCache:
         s = self.sequences[i]
         return _from_storage(self._array(s.shard, "hidden")[s.offset + np.asarray(rows)], self.dtype)
 
+    @property
+    def has_logit_stats(self) -> bool:
+        """Every shard holds logits_lse / logits_argmax (add_logit_stats)."""
+        shards = {s.shard for s in self.sequences}
+        return all((_shard_dir(self.path, i) / f"{name}.npy").exists() for i in shards for name in LOGIT_STATS)
+
+    def logit_stats_rows(self, i: int, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lse [len(rows)] fp32, argmax [len(rows)] int64) of sequence i's positions `rows`."""
+        s = self.sequences[i]
+        at = s.offset + np.asarray(rows)
+        lse = torch.from_numpy(np.array(self._array(s.shard, "logits_lse")[at], dtype=np.float32))
+        argmax = torch.from_numpy(np.array(self._array(s.shard, "logits_argmax")[at], dtype=np.int64))
+        return lse, argmax
+
     def total_tokens(self, split: str = "all") -> int:
         return sum(self.sequences[i].length for i in self.indices(split))
 
 
 __all__ = [
-    "CacheStats", "CachedSequence", "SequenceRecord", "TargetCache", "build_cache", "bytes_per_token",
+    "CacheStats", "CachedSequence", "LOGIT_STATS", "SequenceRecord", "TargetCache", "add_logit_stats", "build_cache", "bytes_per_token",
     "plan_shards", "read_responses",
 ]

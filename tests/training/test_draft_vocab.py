@@ -100,6 +100,37 @@ def test_training_with_a_draft_vocabulary_lowers_the_loss_and_keeps_the_map(cach
     assert drafter.head.w2.shape == (16, 24)
 
 
+def test_the_cache_logit_stats_change_neither_the_loss_nor_its_metrics(cache, target, tmp_path):  # noqa: F811
+    import shutil
+
+    from dspark.drafters.dspark.objective import DSparkObjective
+    from dspark.training.anchors import sample_batch
+    from dspark.training.target_cache import TargetCache, add_logit_stats
+
+    shutil.copytree(cache.path, tmp_path / "cache")
+    add_logit_stats(tmp_path / "cache", target.lm_head_weight, progress=False)
+    with_stats = TargetCache(tmp_path / "cache")
+    assert with_stats.has_logit_stats and not cache.has_logit_stats
+    init = run(tiny_config(steps=4, draft_vocab_size=24), cache, target, tmp_path / "run").final_dir
+    drafter = load_checkpoint(init, shared=SharedWeights.from_target(target)).drafter
+    results = []
+    for c in (cache, with_stats):  # the full-vocabulary softmax, then the N rows and the cached normaliser
+        batch = sample_batch(c, [0, 1, 2], anchors_per_seq=8, block_size=4, seed=0, epoch=0)
+        assert (batch.target_lse is None) == (c is cache)
+        drafter.zero_grad()
+        result = DSparkObjective().loss(drafter, batch)
+        result.total.backward()
+        results.append((result, [p.grad.clone() for p in drafter.parameters() if p.grad is not None]))
+    (full, full_grads), (fast, fast_grads) = results
+    assert fast.total.item() == pytest.approx(full.total.item(), rel=1e-5)
+    for key in ("tv", "ce", "conf", "tau", "acc"):
+        assert fast.metrics[key] == pytest.approx(full.metrics[key], rel=1e-5, abs=1e-6), key
+    for key in ("greedy_tau", "greedy_hits_per_pos", "greedy_tries_per_pos"):
+        assert fast.metrics[key] == full.metrics[key], key
+    for a, b in zip(fast_grads, full_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-6)
+
+
 def test_greedy_acceptance_counts_leading_argmax_matches():
     draft = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3], [1, 2, 3]])
     target = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3]])

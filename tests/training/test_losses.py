@@ -23,6 +23,7 @@ from dspark.training.losses import (
     position_weights,
     target_hidden_positions,
     target_probs_from_hidden,
+    target_probs_on_vocab,
     tv_loss,
     vocab_loss_terms,
 )
@@ -145,6 +146,19 @@ def test_target_probs_from_hidden_equal_the_softmax_of_the_target_logits(tiny_ru
     torch.testing.assert_close(probs, torch.softmax(out.logits[[2, 5]], -1), atol=1e-6, rtol=1e-5)
     hot = target_probs_from_hidden(out.hidden[[2]], runtime.model.lm_head_weight, temperature=0.5)
     torch.testing.assert_close(hot, torch.softmax(out.logits[[2]] / 0.5, -1), atol=1e-6, rtol=1e-5)
+
+
+def test_target_probs_on_a_draft_vocabulary_need_only_its_rows_and_the_normaliser():
+    torch.manual_seed(0)
+    hidden, head = torch.randn(5, 16), torch.randn(40, 16)  # [n, d], [V, d]
+    vocab = torch.tensor([3, 0, 17, 39, 8, 21])  # D, N = 6
+    logits = hidden @ head.t()  # [n, V]
+    p, outside = target_probs_on_vocab(hidden, head[vocab], torch.logsumexp(logits, -1))
+    full = torch.softmax(logits, -1)
+    torch.testing.assert_close(p, full[:, vocab], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(outside, 1 - full[:, vocab].sum(-1), rtol=1e-5, atol=1e-6)
+    _, nothing_outside = target_probs_on_vocab(hidden, head, torch.logsumexp(logits, -1))  # D = V
+    assert (nothing_outside >= 0).all() and float(nothing_outside.max()) < 1e-5
 
 
 def test_expected_acceptance_diagnostics():

@@ -16,7 +16,9 @@ import torch
 
 from dspark.training.target_cache import (
     SequenceRecord,
+    LOGIT_STATS,
     TargetCache,
+    add_logit_stats,
     build_cache,
     bytes_per_token,
     plan_shards,
@@ -107,6 +109,31 @@ def test_an_interrupted_build_resumes_into_the_same_cache_as_one_run(tmp_path):
         assert (tmp_path / "one" / rel).read_bytes() == (tmp_path / "two" / rel).read_bytes(), rel
     # a third run has nothing left to do
     assert build_cache(tiny_runtime(), records, tmp_path / "two", **kw).written_tokens == 0
+
+
+def test_logit_stats_are_the_normaliser_and_argmax_of_the_stored_hidden_rows(tmp_path):
+    runtime = tiny_runtime()
+    head = runtime.model.lm_head_weight  # [V, d]
+    cache = make_tiny_cache(tmp_path, lm_head_weight=head)
+    assert cache.has_logit_stats
+    for i, s in enumerate(cache.sequences):
+        rows = np.arange(s.length)
+        lse, argmax = cache.logit_stats_rows(i, rows)
+        logits = cache.hidden(i).float() @ head.float().t()  # [T, V]: from the ROUNDED rows, as the trainer reads them
+        torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=0, atol=1e-5)
+        assert torch.equal(argmax, logits.argmax(-1))
+    # a cache built without them lacks them, and add_logit_stats completes it to the same bytes
+    plain = make_tiny_cache(tmp_path / "plain")
+    assert not plain.has_logit_stats
+    assert add_logit_stats(plain.path, head, progress=False) == plain.meta["shards"]
+    assert add_logit_stats(plain.path, head, progress=False) == 0  # nothing left to do
+    (plain.path / "shard-00001" / "logits_argmax.npy").unlink()  # "interrupted" between the two files
+    assert add_logit_stats(plain.path, head, progress=False) == 1
+    for shard in sorted(cache.path.glob("shard-*")):
+        for name in LOGIT_STATS:
+            assert (shard / f"{name}.npy").read_bytes() == (plain.path / shard.name / f"{name}.npy").read_bytes()
+    with pytest.raises(ValueError, match="does not match"):
+        add_logit_stats(plain.path, head[:, :8], progress=False)
 
 
 def test_size_estimate_is_printed_before_writing(tmp_path):

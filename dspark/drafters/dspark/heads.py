@@ -119,24 +119,14 @@ class RNNHead(nn.Module):
         return torch.stack(biases, dim=1)
 
 
-class GatedMarkovHead(nn.Module):
-    """The Markov bias with a per-rank gate from the backbone state (memoryless, like MarkovHead):
+class GatedMarkovHead(MarkovHead):
+    """The Markov bias with a per-rank gate from the backbone state (memoryless, like MarkovHead,
+    whose W1, W2, `project` and `init_state` it keeps):
     B = (σ(W_g [h_k ; W1[x_{k-1}]] + b_g) ⊙ W1[x_{k-1}]) W2. DeepSpec's "gated" head type."""
 
     def __init__(self, *, vocab_size: int, rank: int, hidden_size: int, output_size: int | None = None):
-        super().__init__()
-        self.w1 = nn.Embedding(vocab_size, rank)  # [V, r]
-        self.w2 = nn.Parameter(torch.zeros(rank, output_size or vocab_size))  # [r, N]
+        super().__init__(vocab_size=vocab_size, rank=rank, output_size=output_size)
         self.gate = nn.Linear(hidden_size + rank, rank)  # [r, hidden + r] (+ bias [r]), input [h_k ; W1[x_{k-1}]]
-        self.__dict__["w2_gemm"] = None  # serving: x -> x W2 prepacked, row-invariant (dspark/drafters/serving_gemms.py)
-
-    def project(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [n, r] -> [n, N] = x W2
-        gemm = self.__dict__["w2_gemm"]
-        return x @ self.w2 if gemm is None else gemm(x.float())
-
-    def init_state(self, num_rows: int, *, like: torch.Tensor) -> HeadState:
-        return None
 
     def gated(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         # prev_emb: [..., r], hidden: [..., hidden] -> σ(W_g [h ; e] + b_g) ⊙ e [..., r]

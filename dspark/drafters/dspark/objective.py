@@ -20,7 +20,8 @@ from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.training.anchors import TrainBatch
 from dspark.training.draft_vocab import frequent_tokens
-from dspark.training.losses import dspark_loss, expected_acceptance, expected_accepted_length, target_probs_from_hidden
+from dspark.training.losses import (dspark_loss, expected_acceptance, expected_accepted_length, target_probs_from_hidden,
+                                    target_probs_on_vocab)
 from dspark.training.objective import StepLoss, greedy_metrics
 from dspark.training.target_cache import TargetCache
 
@@ -52,15 +53,22 @@ class DSparkObjective:
         n, gamma, _ = logits.shape
         mask = batch.label_mask[valid]  # [n, γ]
         labels = batch.target_tokens[valid]  # [n, γ] target ids
+        d2t = model.draft_to_target
         with torch.no_grad():
-            p_t = target_probs_from_hidden(batch.target_hidden[valid].reshape(n * gamma, -1), model.shared.lm_head)
-            p_t = p_t.view(n, gamma, -1)  # [n, γ, V]
-            target_argmax = p_t.argmax(dim=-1)  # [n, γ]
+            hidden = batch.target_hidden[valid].reshape(n * gamma, -1)  # [n γ, d]
             outside = None
-            d2t = model.draft_to_target
-            if d2t is not None:  # only the N columns the drafter can propose, and the mass it cannot
-                p_t = p_t[..., d2t]  # [n, γ, N]
-                outside = (1.0 - p_t.sum(dim=-1)).clamp_min(0.0)  # [n, γ]
+            if d2t is not None and batch.target_lse is not None:
+                # the cache's normaliser: only the N rows of the LM head the drafter can propose
+                p_t, outside = target_probs_on_vocab(hidden, model.draft_lm_head(), batch.target_lse[valid].reshape(-1))
+                p_t, outside = p_t.view(n, gamma, -1), outside.view(n, gamma)  # [n, γ, N], [n, γ]
+                target_argmax = batch.target_argmax[valid]  # [n, γ]
+            else:
+                p_t = target_probs_from_hidden(hidden, model.shared.lm_head).view(n, gamma, -1)  # [n, γ, V]
+                target_argmax = p_t.argmax(dim=-1)  # [n, γ]
+                if d2t is not None:  # only the N columns the drafter can propose, and the mass it cannot
+                    p_t = p_t[..., d2t]  # [n, γ, N]
+                    outside = (1.0 - p_t.sum(dim=-1)).clamp_min(0.0)  # [n, γ]
+            if d2t is not None:
                 labels = model.target_to_draft()[labels]  # [n, γ] draft indices, -1 outside
         loss = dspark_loss(draft_logits=logits, target_ids=labels, target_probs=p_t, outside_mass=outside,
                            confidence_logits=confidence_logits, mask=mask, ce_weight=c.ce_weight,
