@@ -39,6 +39,7 @@ rewriting the others: the result is byte-identical to one uninterrupted run.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -432,9 +433,10 @@ class TargetCache:
         s = self.sequences[i]
         return _from_storage(self._array(s.shard, "hidden")[s.offset + np.asarray(rows)], self.dtype)
 
-    @property
+    @functools.cached_property
     def has_logit_stats(self) -> bool:
-        """Every shard holds logits_lse / logits_argmax (add_logit_stats)."""
+        """Every shard holds logits_lse / logits_argmax (add_logit_stats; checked once: open the
+        cache again after adding them)."""
         shards = {s.shard for s in self.sequences}
         return all((_shard_dir(self.path, i) / f"{name}.npy").exists() for i in shards for name in LOGIT_STATS)
 
