@@ -4,7 +4,8 @@
 
 Modes (TargetConfig.weights / dtype): "compact" = the exact fp32 weights in the block format
 they came in (Q4_1 layers, Q8_0 LM head for the default model; dspark/model/compact_weights.py),
-"bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
+"compact-int8" = the same weights with int8 activations into the Q4_1 layers (llama.cpp's Q4_1
+numerics; dspark/model/int8_activations.py), "bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
 CPUs with native bf16), "fp32" = dense fp32 (oneDNN). Each step is one request verifying B query
 tokens over a --context-token prefix, shaped as a verify forward; B = 1 is plain decoding. Modes
 are interleaved at each B, round after round, so machine noise hits them alike; each cell is the
@@ -27,6 +28,7 @@ from dspark.model.target_runtime import TargetConfig, TargetRuntime
 
 MODES = {
     "compact": TargetConfig(weights="compact"),
+    "compact-int8": TargetConfig(weights="compact-int8"),
     "bf16": TargetConfig(dtype="bfloat16", weights="dense"),
     "fp32": TargetConfig(dtype="float32", weights="dense"),
 }

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from dspark.command_config import add_config_arguments, add_config_flag, command_config
-from dspark.serving_config import ServingConfig
+from dspark.serving_config import WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
 
 if TYPE_CHECKING:  # torch: imported by the commands that run a model, not at parse time
     from dspark.model.target_runtime import TargetConfig
@@ -30,9 +30,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "--model", key="model.name", help="default model name or a local HF Llama/Qwen directory")
     add_config_flag(p, "--dtype", key="model.dtype", choices=["auto", "bfloat16", "float32"],
                     help="compute dtype of the linear layers, auto: bf16 where the hardware has it")
-    add_config_flag(p, "--weights", key="model.weights", choices=["auto", "compact", "dense"],
-                    help="linear weights: compact = the exact fp32 weights in the checkpoint's block format "
-                         "(3-5x fewer bytes per step), dense, auto = compact where every layer has one")
+    add_config_flag(p, "--weights", key="model.weights", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
     add_config_flag(p, "--kv-budget-mb", key="model.kv_budget_mb", type=int, help="memory for all requests' KV caches")
     add_config_flag(p, "--max-model-len", key="model.max_model_len", type=int, help="context window; 0 = the model's")
     add_config_flag(p, "--device", key="model.device",

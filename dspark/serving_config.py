@@ -64,13 +64,27 @@ def _check_port(section: str, port: int) -> None:
     _check(0 <= port <= 65535, f"{section}.port must be in [0, 65535] (0 = any free port), got {port}")
 
 
+# How the target's linear layers hold their weights (TargetConfig.weights, `--weights`):
+#   compact       the exact fp32 weights in the block format they came in (Q4_1 / Q8_0 for the
+#                 default model), fp32 activations and sums (dspark/model/compact_weights.py)
+#   compact-int8  the same weights, but each activation row entering a Q4_1 layer rounded to
+#                 int8 per block of 32, as llama.cpp's Q4_1 path does: a different (close) model,
+#                 2-3x faster GEMMs, still batch-invariant (dspark/model/int8_activations.py)
+#   dense         a dense `dtype` matrix (oneDNN)
+#   auto          compact where every layer has an exact format and dtype is auto or float32
+WEIGHT_CHOICES = ("auto", "compact", "compact-int8", "dense")
+WEIGHTS_HELP = ("linear weights: compact = the exact fp32 weights in the checkpoint's block format (3-5x fewer bytes "
+                "per step); compact-int8 = those weights with int8 activations, llama.cpp's Q4_1 numerics (2-3x faster "
+                "GEMMs, a close but different model); dense; auto = compact where every layer has one")
+
+
 @dataclass(frozen=True)
 class ModelSection:
     """The target model every service serves."""
 
     name: str = DEFAULT_MODEL_NAME  # the default model's name, or a local HF Llama/Qwen directory
     dtype: str = "auto"  # compute dtype of the linear layers: auto (bf16 where the hardware has it) | bfloat16 | float32
-    weights: str = "auto"  # linear weights: compact (exact, the checkpoint's block format, fp32 compute) | dense | auto (compact where exact)
+    weights: str = "auto"  # linear weights (WEIGHT_CHOICES): compact | compact-int8 | dense | auto (compact where exact)
     kv_budget_mb: int = 4096  # memory for all requests' KV caches (verifier)
     max_model_len: int = 0  # context window; 0 = the model's max_position_embeddings
     # where the target (and a drafter's weights) run: auto (the first CUDA device torch sees, else
@@ -82,9 +96,9 @@ class ModelSection:
         _check(DEVICE_PATTERN.fullmatch(self.device) is not None,
                f"model.device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _check(self.dtype in ("auto", "bfloat16", "float32"), f"model.dtype must be 'auto', 'bfloat16' or 'float32', got {self.dtype!r}")
-        _check(self.weights in ("auto", "compact", "dense"), f"model.weights must be 'auto', 'compact' or 'dense', got {self.weights!r}")
-        _check(not (self.weights == "compact" and self.dtype == "bfloat16"),
-               "model.weights 'compact' computes in float32: it cannot go with model.dtype 'bfloat16'")
+        _check(self.weights in WEIGHT_CHOICES, f"model.weights must be one of {', '.join(map(repr, WEIGHT_CHOICES))}, got {self.weights!r}")
+        _check(not (self.weights.startswith("compact") and self.dtype == "bfloat16"),
+               f"model.weights {self.weights!r} computes in float32: it cannot go with model.dtype 'bfloat16'")
         _check(self.kv_budget_mb > 0, f"model.kv_budget_mb must be > 0, got {self.kv_budget_mb}")
         _check(self.max_model_len >= 0, f"model.max_model_len must be >= 0 (0 = the model's), got {self.max_model_len}")
 

@@ -12,7 +12,7 @@
 # a rerun does not start from its own output), held-out τ and greedy τ logged every 200 steps,
 # then export (bf16) and STS calibration for sampled (T = 1) and greedy (T = 0) requests.
 # Knobs (environment): GREEDY_DATA, SEQUENCES (train sequences cached), HELDOUT (held-out
-# sequences cached), DRAFT_VOCAB, STEPS, BATCH_SEQS, ANCHORS, LR, INIT (a checkpoint, or "none").
+# sequences cached), SKIP (train sequences of that order left out, e.g. the slice INIT was trained on), DRAFT_VOCAB, STEPS, BATCH_SEQS, ANCHORS, LR, INIT (a checkpoint, or "none").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${STEPS:-3000}  # the shipped drafter: 3,000 steps (docs/results/training.md); set before the recipe, which has its own default
@@ -20,6 +20,7 @@ source scripts/drafter_recipe.sh
 RUN=${1:-runs/default-drafter}
 GREEDY_DATA=${GREEDY_DATA:-../shared/data/regenerated}
 SEQUENCES=${SEQUENCES:-5596}
+SKIP=${SKIP:-0}
 HELDOUT=${HELDOUT:-518}
 DRAFT_VOCAB=${DRAFT_VOCAB:-8192}
 BATCH_SEQS=${BATCH_SEQS:-4}
@@ -33,7 +34,7 @@ INIT=${INIT:-$RUN/init}
 if [[ $INIT == "$RUN/init" && ! -f $RUN/init/config.json ]]; then cp -r "$DST" "$RUN/init"; fi
 INIT_FLAGS=(--init-from "$INIT")
 [[ $INIT == none ]] && INIT_FLAGS=()
-$D cache --data-dir "$RUN/greedy" --out "$RUN/cache-train" --split train --shortest-prompts-first --max-sequences "$SEQUENCES" --batch-tokens 2048
+$D cache --data-dir "$RUN/greedy" --out "$RUN/cache-train" --split train --shortest-prompts-first --skip-sequences "$SKIP" --max-sequences "$SEQUENCES" --batch-tokens 2048
 $D cache --data-dir "$RUN/greedy" --out "$RUN/cache-heldout" --split heldout --max-sequences "$HELDOUT" --batch-tokens 2048
 $D train --algo dspark --cache "$RUN/cache-train" --eval-cache "$RUN/cache-heldout" --out "$RUN/train" \
   "${RECIPE_FLAGS[@]}" "${DSPARK_FLAGS[@]}" --precision fp32 --batch-seqs "$BATCH_SEQS" --anchors-per-seq "$ANCHORS" \

@@ -141,14 +141,15 @@ def compact_exact_state_dict(sd: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def build_transformer(
     config: ModelConfig, sd: dict[str, torch.Tensor], *, compute_dtype: torch.dtype = torch.bfloat16,
-    compact: bool = False,
+    compact: bool = False, int8_activations: bool = False,
 ) -> Transformer:
     """Our model with `sd` loaded, ready for inference (as Transformer.from_dir leaves it)."""
     model = Transformer(config, compute_dtype=compute_dtype)
     model.load_hf_state_dict(sd)
     model.eval().requires_grad_(False)
     if compact:
-        assert model.use_compact_weights(), "compact=True needs fp32 weights on a block grid (compact_exact_state_dict)"
+        assert model.use_compact_weights(int8_activations=int8_activations), \
+            "compact=True needs fp32 weights on a block grid (compact_exact_state_dict)"
     model.prepare_for_inference()
     return model
 
@@ -162,15 +163,17 @@ def make_tiny_runtime(
     capture_layers: tuple[int, ...] | None = None,
     max_model_len: int | None = None,
     compact: bool = False,
+    int8_activations: bool = False,
     **config_overrides,
 ) -> TargetRuntime:
     """A TargetRuntime around a seeded random `ModelConfig.tiny(**config_overrides)`; compact:
-    its weights rounded to the Q4_1 / Q8_0 grids and held compact (fp32 compute)."""
+    its weights rounded to the Q4_1 / Q8_0 grids and held compact (fp32 compute); with
+    int8_activations, the `compact-int8` numerics (dspark/model/int8_activations.py)."""
     config = ModelConfig.tiny(**config_overrides)
     sd = random_hf_state_dict(config, seed=seed, embed_std=embed_std)
     if compact:
         sd, compute_dtype = compact_exact_state_dict(sd), torch.float32
-    model = build_transformer(config, sd, compute_dtype=compute_dtype, compact=compact)
+    model = build_transformer(config, sd, compute_dtype=compute_dtype, compact=compact, int8_activations=int8_activations)
     return TargetRuntime(model, kv_budget_tokens=kv_budget_tokens, capture_layers=capture_layers, max_model_len=max_model_len)
 
 

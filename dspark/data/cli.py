@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from dspark.serving_config import WEIGHT_CHOICES
+
 PROMPTS_FILE = "prompts.jsonl"
 RESPONSES_FILE = "responses.jsonl"
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -123,7 +125,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     # batched regeneration runs 32-64 rows a forward, where bf16 GEMMs do twice the work per
     # instruction of compact weights' exact fp32 ones (docs/results/compact_weights.md)
-    g.add_argument("--weights", default="dense", choices=["auto", "compact", "dense"],
+    g.add_argument("--weights", default="dense", choices=WEIGHT_CHOICES,
                    help="the target's linear weights (dense: fastest at batch 32+; compact: exact fp32, fastest at 1-8 rows)")
     g.add_argument("--kv-budget-mb", type=int, default=4096)
     g.add_argument("--batch-size", type=int, default=32)

@@ -41,29 +41,35 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.model import int8_activations
 from dspark.model.attention import VECTOR_PRELUDE, LazyLibrary
 
 BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
-FORMATS = ("bf16", "q8_0", "q4_1")  # the kernel's format codes are their indices
+FORMATS = ("bf16", "q8_0", "q4_1")  # the exact formats compact() finds
+# the kernel's format codes are their indices: the exact formats, then Q4_1 weights with int8
+# activations (dspark/model/int8_activations.py: the opt-in `compact-int8` numerics, not exact)
+KERNEL_FORMATS = (*FORMATS, "q4_1_x8")
 
 
 @dataclass
 class CompactWeight:
     """W [out_features, in_features] in one block format (module docstring)."""
 
-    format: str  # one of FORMATS
+    format: str  # one of KERNEL_FORMATS
     out_features: int
     in_features: int
-    q: torch.Tensor  # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1)
+    # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1);
+    # q4_1_x8: [N, K / 2] uint8 (int8_activations.pack_weights)
+    q: torch.Tensor
     scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
-    offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1, else None
+    offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1(_x8), else None
 
     @functools.cached_property
     def kernel_args(self) -> tuple[int, int, int, int]:
         """(format code, address of q, of scale, of offset) for the kernel: computed once, the
         tensors are never replaced (a per-call rebuild was a tenth of a token's time)."""
         address = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
-        return FORMATS.index(self.format), address(self.q), address(self.scale), address(self.offset)
+        return KERNEL_FORMATS.index(self.format), address(self.q), address(self.scale), address(self.offset)
 
     @property
     def nbytes(self) -> int:
@@ -163,17 +169,43 @@ def decode(cw: CompactWeight) -> torch.Tensor:  # [N, K] fp32, the weights the k
         return cw.q.view(torch.bfloat16).float()
     if cw.format == "q8_0":
         return (cw.scale.unsqueeze(2) * cw.q.view(n, k // BLOCK, BLOCK).float()).view(n, k)
+    if cw.format == "q4_1_x8":
+        return (cw.scale.unsqueeze(2) * int8_activations.unpack_weights(cw.q).float() + cw.offset.unsqueeze(2)).view(n, k)
+    return (cw.scale.unsqueeze(2) * _q4_1_values(cw).float() + cw.offset.unsqueeze(2)).view(n, k)
+
+
+def _q4_1_values(cw: CompactWeight) -> torch.Tensor:  # [N, K / 32, 32] int64 in 0..15
+    n, k = cw.out_features, cw.in_features
     words = cw.q.view(n, k // BLOCK, 4).long() & 0xFFFFFFFF  # [N, K / 32, 4] the 4 words of each block
     lane = torch.arange(BLOCK // 2)
     shift = _Q4_1_SHIFT  # [16]
-    q = torch.cat([(words[..., lane % 4] >> shift) & 0xF, (words[..., lane % 4] >> (shift + 16)) & 0xF], dim=2).float()
-    return (cw.scale.unsqueeze(2) * q + cw.offset.unsqueeze(2)).view(n, k)
+    return torch.cat([(words[..., lane % 4] >> shift) & 0xF, (words[..., lane % 4] >> (shift + 16)) & 0xF], dim=2)
 
 
 def reference_matmul(x: torch.Tensor, cw: CompactWeight) -> torch.Tensor:
     """The plain reference of `matmul`: the decoded weights in a dense fp64 product (close to
-    the kernel, not its bits): x [M, K] fp32 -> [M, N] fp32."""
-    return (x.double() @ decode(cw).double().t()).float()
+    the kernel, not its bits): x [M, K] fp32 -> [M, N] fp32. For q4_1_x8 the activations are
+    first rounded as that mode rounds them (int8_activations.quantize_blocks)."""
+    xd = int8_activations.dequantized(x) if cw.format == "q4_1_x8" else x.double()  # [M, K] fp64
+    return (xd @ decode(cw).double().t()).float()
+
+
+def with_int8_activations(cw: CompactWeight) -> CompactWeight:
+    """The same Q4_1 weights multiplied with int8 activations (int8_activations.py), repacked
+    for that kernel; a weight of another format is returned as it is (exact fp32)."""
+    if cw.format != "q4_1" or not int8_activations_available():
+        return cw
+    return CompactWeight("q4_1_x8", cw.out_features, cw.in_features, int8_activations.pack_weights(_q4_1_values(cw)),
+                         cw.scale, cw.offset)
+
+
+def int8_activations_available() -> bool:
+    """Whether the kernel was built with the int8-activation GEMM (it needs AVX2 + FMA)."""
+    lib = load()
+    if lib is None:
+        return False
+    lib.dspark_x8_supported.restype = ctypes.c_int
+    return bool(lib.dspark_x8_supported())
 
 
 _SOURCE = VECTOR_PRELUDE + r"""
@@ -530,17 +562,28 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
 #endif
 
 }  // namespace
-
+""" + int8_activations.GEMM_SOURCE + r"""
 extern "C" {
 
+int dspark_x8_supported() { return x8::kSupported ? 1 : 0; }
+
+// one row x [K] quantised as the int8 GEMM quantises it, into out [ceil(K / 256) * 320] bytes
+// (the layout of int8_activations.py; for tests)
+void dspark_x8_quantize_row(const float* x, int64_t K, uint8_t* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  x8::quantize_row(x, K, out);
+#endif
+}
+
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx, fp32) · Wᵀ, W in `format`
-// (0 bf16, 1 q8_0, 2 q4_1; compact_weights.py): q as described there, d and mn [N, K / 32]
+// (0 bf16, 1 q8_0, 2 q4_1, 3 q4_1 with int8 activations; compact_weights.py): q as described there, d and mn [N, K / 32]
 // fp32 (mn only for q4_1). K % 32 == 0. Threads split the columns.
 void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int format, const void* q,
                          const float* d, const float* mn, int64_t N, float* y, int64_t ldy, int threads) {
   if (format == 0) DSPARK_GEMM<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
   else if (format == 1) DSPARK_GEMM<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
-  else DSPARK_GEMM<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 2) DSPARK_GEMM<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else x8::gemm(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
 }
 
 }  // extern "C"
@@ -549,6 +592,8 @@ void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURES = {
     "dspark_compact_gemm": [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int],
+    "dspark_x8_supported": [],
+    "dspark_x8_quantize_row": [_ptr, _i64, _ptr],
 }
 _LIBRARY = LazyLibrary(_SOURCE, "compact_gemm", _SIGNATURES, fallback="weights stay dense")
 # the 16-lane vector code on every CPU: the reference the AVX2 path must equal bit for bit

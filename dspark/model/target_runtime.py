@@ -21,13 +21,12 @@ from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import KVBudgetExceeded, KVCache
 from dspark.model.model_store import DEFAULT_MODEL, resolve_model_dir
 from dspark.model.transformer import AttentionMetadata, Transformer
-from dspark.serving_config import DEVICE_PATTERN, ModelSection
+from dspark.serving_config import DEVICE_PATTERN, WEIGHT_CHOICES, ModelSection
 
 __all__ = ["WEIGHT_CHOICES", "TargetConfig", "TargetRuntime", "ForwardOutput", "KVBudgetExceeded", "default_capture_layers"]
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 DTYPE_CHOICES = ("auto", *DTYPES)
-WEIGHT_CHOICES = ("auto", "compact", "dense")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -84,11 +83,7 @@ def default_capture_layers(num_layers: int, count: int = 5) -> tuple[int, ...]:
 class TargetConfig:
     model: str = DEFAULT_MODEL  # the default model's name, or a local HF Llama/Qwen directory
     dtype: str = "auto"  # compute dtype of the linear layers; "auto": bf16 where the hardware has it (resolve_dtype)
-    # how the linear layers hold their weights: "compact" = the exact fp32 weights in the block
-    # format they came in (Q4_1/Q8_0 for the default model; fp32 compute, dspark/model/compact_weights.py),
-    # "dense" = a dense `dtype` matrix, "auto" = compact where every layer has such a format and
-    # dtype is auto or float32 (it reads 3-5x fewer bytes than bf16 with exact fp32 weights)
-    weights: str = "auto"
+    weights: str = "auto"  # how the linear layers hold their weights: serving_config.WEIGHT_CHOICES
     kv_budget_mb: int = 4096  # memory for all requests' KV caches together
     capture_layers: tuple[int, ...] | None = None  # target layers whose hidden states feed the drafter; None = 5 spread evenly
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -99,8 +94,8 @@ class TargetConfig:
             raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {list(WEIGHT_CHOICES)}, got {self.weights!r}")
-        if self.weights == "compact" and self.dtype not in ("auto", "float32"):
-            raise ValueError(f"compact weights compute in float32; dtype {self.dtype!r} asks for dense weights")
+        if self.weights.startswith("compact") and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"{self.weights} weights compute in float32; dtype {self.dtype!r} asks for dense weights")
         if self.kv_budget_mb <= 0:
             raise ValueError(f"kv_budget_mb must be positive, got {self.kv_budget_mb}")
         if DEVICE_PATTERN.fullmatch(self.device) is None:
@@ -146,14 +141,15 @@ class TargetRuntime:
             # The compact kernels, the fused ops and the layer loop are CPU code (C++ on AVX2 /
             # AVX-512): on a GPU the linear layers hold dense `dtype` weights and attention is
             # SDPA over the padded batch ("varlen", Transformer.set_attention).
-            if cfg.weights == "compact":
-                raise ValueError(f"compact weights run on the CPU only; on {device} use weights 'dense' or 'auto'")
+            if cfg.weights.startswith("compact"):
+                raise ValueError(f"{cfg.weights} weights run on the CPU only; on {device} use weights 'dense' or 'auto'")
             model = Transformer.from_dir(model_dir, compute_dtype=dense_dtype, device=device)
         elif cfg.weights == "dense" or (cfg.weights == "auto" and cfg.dtype not in ("auto", "float32")):
             model = Transformer.from_dir(model_dir, compute_dtype=dense_dtype)
         else:
-            model = Transformer.from_dir(model_dir, compute_dtype=torch.float32, compact=True)
-            if not model.compact and cfg.weights == "compact":
+            model = Transformer.from_dir(model_dir, compute_dtype=torch.float32, compact=True,
+                                         int8_activations=cfg.weights == "compact-int8")
+            if not model.compact and cfg.weights.startswith("compact"):
                 raise ValueError(f"{model_dir}: no exact compact format (Q4_1 / Q8_0 blocks) reproduces every linear "
                                  f"layer's weights, or the kernel could not be built; use weights='dense'")
             if not model.compact and dense_dtype != torch.float32:  # auto: the hardware's dense dtype instead
@@ -165,8 +161,11 @@ class TargetRuntime:
 
     @property
     def linear_numerics(self) -> str:
-        """What the linear layers run: "compact" (exact fp32 weights, compact blocks), "bfloat16" or "float32"."""
-        return "compact" if self.model.compact else str(self.model.compute_dtype).removeprefix("torch.")
+        """What the linear layers run: "compact" (exact fp32 weights, compact blocks), "compact-int8"
+        (those weights, int8 activations), "bfloat16" or "float32"."""
+        if self.model.compact:
+            return "compact-int8" if self.model.int8_activations else "compact"
+        return str(self.model.compute_dtype).removeprefix("torch.")
 
     @property
     def vocab_size(self) -> int:

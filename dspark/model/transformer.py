@@ -367,6 +367,7 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.compact = False  # linear layers (and the LM head) on compact exact weights: use_compact_weights
+        self.int8_activations = False  # with compact: the Q4_1 layers take int8 activations (compact-int8)
         self.set_attention(os.environ.get("DSPARK_ATTENTION", "batched"))
         self.set_fused(os.environ.get("DSPARK_FUSED", "1") != "0")
 
@@ -417,14 +418,18 @@ class Transformer(nn.Module):
         return self.embed.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def use_compact_weights(self) -> bool:
+    def use_compact_weights(self, *, int8_activations: bool = False) -> bool:
         """Hold every linear layer and the LM head in an exact compact block format
         (dspark/model/compact_weights.py), all or nothing: True when every one of them has a
         format that reproduces its fp32 weights bit for bit (a model whose weights came from a
         GGUF file, as the default one), False (nothing changed) otherwise. Needs fp32 linear
         layers (their weights are the exact values). The dense weights are dropped: the default
         model then holds ~110 MB of GEMM weights instead of 537 MB (fp32) or 325 MB (bf16
-        layers, fp32 head) and streams 3-5x fewer bytes per step."""
+        layers, fp32 head) and streams 3-5x fewer bytes per step.
+
+        int8_activations: the decoder layers' Q4_1 weights take int8 activations
+        (dspark/model/int8_activations.py: the `compact-int8` numerics, not exact); the LM head
+        stays on the exact fp32 kernel, so logits are fp32 products of the final hidden state."""
         if self.compute_dtype != torch.float32 or self.config.attention_bias or not compact_weights.available():
             return False
         formats = ("q4_1", "q8_0")  # bf16 blocks: oneDNN's bf16 GEMM reads the same bytes, faster from M = 8
@@ -440,9 +445,12 @@ class Transformer(nn.Module):
         if head is None:
             return False
         for (i, name), cw in found.items():
+            if int8_activations:
+                cw = compact_weights.with_int8_activations(cw)
             setattr(self.layers[i], name, compact_weights.CompactLinear(cw))
         self.__dict__["lm_head_packed"] = compact_weights.CompactLinear(head)
         self.compact = True
+        self.int8_activations = int8_activations
         self.set_fused(self.fused_requested)
         return True
 
@@ -591,9 +599,11 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, *, compute_dtype: torch.dtype = torch.bfloat16,
-                 compact: bool = False, device: torch.device | str = "cpu") -> "Transformer":
+                 compact: bool = False, int8_activations: bool = False,
+                 device: torch.device | str = "cpu") -> "Transformer":
         """compact: with fp32 compute, hold the weights compact where every layer has an exact
-        format (use_compact_weights; `model.compact` says whether it happened; CPU only).
+        format (use_compact_weights; `model.compact` says whether it happened; CPU only);
+        int8_activations: with compact, the Q4_1 layers take int8 activations (use_compact_weights).
         device: where the weights live; off the CPU, attention is "varlen" and the fused CPU
         kernels are off."""
         from safetensors.torch import load_file
@@ -615,7 +625,7 @@ class Transformer(nn.Module):
                 raise ValueError(f"compact weights run on the CPU only, not on {device}")
             return model.place_on(device)
         if compact:
-            model.use_compact_weights()
+            model.use_compact_weights(int8_activations=int8_activations)
         model.prepare_for_inference()
         return model
 

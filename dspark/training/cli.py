@@ -17,13 +17,15 @@ import json
 import sys
 from pathlib import Path
 
+from dspark.serving_config import WEIGHT_CHOICES
+
 
 def _add_model_args(p: argparse.ArgumentParser, *, default_model: str | None) -> None:
     p.add_argument("--model", default=default_model,
                    help="target: the default model's name or a local HF directory" + ("" if default_model else " (default: the one the cache was built with)"))
     p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype of the target's linear layers")
     p.add_argument("--kv-budget-mb", type=int, default=4096)
-    p.add_argument("--target-weights", default="auto", choices=["auto", "compact", "dense"],
+    p.add_argument("--target-weights", default="auto", choices=WEIGHT_CHOICES,
                    help="how the target holds its linear layers (TargetConfig.weights); `dspark cache` defaults to "
                         "dense: its whole-sequence prefills run 2x faster on oneDNN's dense GEMM than on the compact "
                         "kernel, whose strength is few rows (the features differ from compact ones only in rounding)")
@@ -50,6 +52,7 @@ def cmd_cache(args) -> int:
     records = read_responses(args.data_dir, split=args.split)
     if args.shortest_prompts_first:  # ties by id: the order (and so the shard plan) is a function of the data
         records = sorted(records, key=lambda r: (len(r.prompt_ids), r.id))
+    records = records[args.skip_sequences:]
     if args.max_sequences is not None:
         records = records[: args.max_sequences]
     if not records:
@@ -222,6 +225,9 @@ def add_train_parsers(subparsers) -> None:
     c.add_argument("--shortest-prompts-first", action="store_true",
                    help="cache sequences by ascending prompt length: with --max-sequences, the most response tokens "
                         "(anchors) per target forward on a CPU budget")
+    c.add_argument("--skip-sequences", type=int, default=0,
+                   help="leave out the first N sequences of that order: a warm-started run caches the next slice of "
+                        "the data instead of the one its starting checkpoint was trained on")
     c.add_argument("--no-progress", action="store_true")
     _add_model_args(c, default_model="smollm2-135m-instruct")
     c.set_defaults(target_weights="dense")
