@@ -35,7 +35,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from dspark.command_config import add_config_arguments, add_config_flag, command_config
-from dspark.serving_config import ServingConfig
+from dspark.serving_config import WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
 from services.healthcheck import add_healthcheck_arguments
 from services.supervisor import Child, Supervisor
 
@@ -60,8 +60,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "--model", key="model.name", help="default model name or a local HF Llama/Qwen directory")
     add_config_flag(p, "--dtype", key="model.dtype", choices=["auto", "bfloat16", "float32"],
                     help="compute dtype of the linear layers (auto: bf16 where the hardware has it)")
-    add_config_flag(p, "--weights", key="model.weights", choices=["auto", "compact", "dense"],
-                    help="linear weights: compact (exact, the checkpoint's block format), dense, auto = compact where exact")
+    add_config_flag(p, "--weights", key="model.weights", choices=WEIGHT_CHOICES, help=WEIGHTS_HELP)
 
 
 def _add_drafter(p: argparse.ArgumentParser) -> None:
