@@ -34,6 +34,7 @@ from common import load_prompts, median, print_table
 from dspark.drafters import drafter_capture_layers, make_drafter
 from dspark.drafters.shipped import shipped_checkpoint
 from dspark.engine.speculative import SpeculativeEngine
+from dspark.serving_config import WEIGHT_CHOICES
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 from dspark.model.tokenizer import Tokenizer
 from dspark.profiling.sps import profile_sps
@@ -107,8 +108,10 @@ def main() -> int:
                     help="our speculative rows on the DSpark checkpoint: dspark, dspark-lookup (comma-separated)")
     ap.add_argument("--policy", default="dspark", help="DSpark row: none | fixed:K | threshold:C | dspark | dspark-async | all")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="our linear layers")
-    ap.add_argument("--weights", default="auto", choices=["auto", "compact", "dense"],
+    ap.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                     help="our linear layers' weights (auto: compact exact blocks where the checkpoint has them)")
+    ap.add_argument("--also-weights", default="",
+                    help="comma-separated other weights modes (e.g. compact-int8) whose plain and drafter rows run beside")
     ap.add_argument("--device", default="cpu", help="where our rows run: auto | cpu | cuda | cuda:N (model.device); the peers stay on the CPU")
     ap.add_argument("--dense-baseline", action="store_true",
                     help="also run our plain decoding on dense weights (--dtype), beside the --weights rows")
@@ -151,10 +154,20 @@ def main() -> int:
     if args.dense_baseline:
         dense = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights="dense", device=args.device))
         engines[f"ours none, dense {dense.linear_numerics}"] = SpeculativeEngine(dense, None)
+    others = [w.strip() for w in args.also_weights.split(",") if w.strip()]
+    if not set(others) <= set(WEIGHT_CHOICES):
+        print(f"error: --also-weights takes {', '.join(WEIGHT_CHOICES)}, got {args.also_weights!r}", file=sys.stderr)
+        return 2
+    runtimes = {"": runtime}
+    for w in others:
+        other = TargetRuntime.load(TargetConfig(dtype=args.dtype, weights=w, capture_layers=capture, device=args.device))
+        runtimes[f", {other.linear_numerics}"] = other
+        engines[f"ours none, {other.linear_numerics}"] = SpeculativeEngine(other, None)
     if drafter_path:
-        for name in drafters:
-            engines[f"ours {name} γ={args.gamma} {args.policy}"] = dspark_engine(runtime, str(drafter_path), gamma=args.gamma,
-                                                                                policy=args.policy, drafter=name)
+        for suffix, rt in runtimes.items():
+            for name in drafters:
+                engines[f"ours {name} γ={args.gamma} {args.policy}{suffix}"] = dspark_engine(
+                    rt, str(drafter_path), gamma=args.gamma, policy=args.policy, drafter=name)
     else:
         print("note: no DSpark checkpoint (--drafter-path, none shipped): the dspark row is left out", file=sys.stderr)
     hf = {}

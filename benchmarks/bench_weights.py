@@ -11,6 +11,10 @@ tokens over a --context-token prefix, shaped as a verify forward; B = 1 is plain
 are interleaved at each B, round after round, so machine noise hits them alike; each cell is the
 median over rounds of each round's median step.
 Also printed: the bytes of GEMM weights each mode streams per step, and the effective GB/s at B = 1.
+`--agreement N` also compares each mode's model with the exact one ("compact") on the exact
+model's greedy answers to N prompts per benchmark of ../shared/data/eval (teacher-forced): the
+share of positions whose argmax is the exact model's, and the mean total variation of the
+next-token distributions.
 """
 
 from __future__ import annotations
@@ -103,6 +107,31 @@ def gemm_ms(runtime: TargetRuntime, rows: int, repeats: int) -> tuple[float, flo
     return timed(layers), timed(lambda: head.partial(head_input, 0))
 
 
+def agreement(exact: TargetRuntime, other: TargetRuntime, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """(argmax agreement, mean total variation) of `other` against `exact` on `exact`'s greedy answers."""
+    from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
+    from dspark.sampling.params import SamplingParams
+
+    answers = SpeculativeEngine(exact, None).generate([GenerationRequest(f"a{i}", p, max_tokens, SamplingParams(temperature=0.0))
+                                                       for i, p in enumerate(prompts)])
+    same, tv, n = 0, 0.0, 0
+    for i, (prompt, state) in enumerate(zip(prompts, answers)):
+        ids = torch.tensor(prompt + state.output_ids[:-1])
+        rows = torch.arange(len(prompt) - 1, len(ids))  # the positions that predicted the answer
+        probs = []
+        for r in (exact, other):
+            r.add_request(f"t{i}", len(ids) + 1)
+            try:
+                logits = r.forward([f"t{i}"], ids, [len(ids)], logits_indices=rows).logits  # [answer, vocab]
+            finally:
+                r.free_request(f"t{i}")
+            probs.append(torch.softmax(logits.double(), dim=-1))
+        same += int((probs[0].argmax(-1) == probs[1].argmax(-1)).sum())
+        tv += float(0.5 * (probs[0] - probs[1]).abs().sum(-1).sum())
+        n += len(rows)
+    return same / n, tv / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -112,6 +141,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7, help="forwards per cell per round")
     ap.add_argument("--plot", default=None, help="write a PNG of ms/step against B per mode")
     ap.add_argument("--gemms", action="store_true", help="also time the GEMMs alone (layers, LM head) at 1 and 8 rows")
+    ap.add_argument("--agreement", type=int, default=0, metavar="N",
+                    help="also compare each mode's model with compact's on N prompts per benchmark (teacher-forced)")
+    ap.add_argument("--agreement-benchmarks", default="gsm8k,humaneval,mt-bench")
+    ap.add_argument("--agreement-tokens", type=int, default=128)
     args = ap.parse_args()
 
     runtimes = {m: TargetRuntime.load(MODES[m]) for m in args.modes}
@@ -156,6 +189,17 @@ def main() -> None:
                 rows.append([m, n, layers, head, layers + head, mb / (layers + head)])
         print("\nGEMMs alone (30 layers x 4 linear layers, then the LM head):")
         print_table(["mode", "rows", "layers ms", "head ms", "total ms", "GB/s of weights"], rows)
+    if args.agreement and "compact" in runtimes:
+        from common import load_prompts
+        from dspark.model.tokenizer import Tokenizer
+
+        exact = runtimes["compact"]
+        tokenizer = Tokenizer(exact.model_dir)
+        prompts = [tokenizer.encode_chat([{"role": "user", "content": p}])
+                   for b in args.agreement_benchmarks.split(",") for p in load_prompts(b.strip(), args.agreement)]
+        rows = [[m, *agreement(exact, r, prompts, args.agreement_tokens)] for m, r in runtimes.items() if m != "compact"]
+        print(f"\nagainst the exact model (compact) on its greedy answers, {len(prompts)} prompts x {args.agreement_tokens} tokens:")
+        print_table(["mode", "argmax agreement", "mean total variation"], rows)
     if args.plot:
         import matplotlib
 
