@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from dspark.command_config import add_config_arguments, add_config_flag, command_config
-from dspark.serving_config import WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
+from dspark.serving_config import SAMPLER_BACKENDS, WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
 
 if TYPE_CHECKING:  # torch: imported by the commands that run a model, not at parse time
     from dspark.model.target_runtime import TargetConfig
@@ -61,7 +61,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "--policy", key="scheduler.policy",
                     help="draft tokens verified per request per round: none | fixed:K | threshold:C | dspark | dspark-async, "
                          "'' = all γ (none with --drafter none); dspark* profile SPS(B) first")
-    add_config_flag(p, "--sampler-backend", key="verifier.sampler_backend", choices=["auto", "torch", "triton"],
+    add_config_flag(p, "--sampler-backend", key="verifier.sampler_backend", choices=SAMPLER_BACKENDS,
                     help="the rejection sampler's implementation")
 
 

@@ -73,6 +73,9 @@ def _check_port(section: str, port: int) -> None:
 #   dense         a dense `dtype` matrix (oneDNN)
 #   auto          compact where every layer has an exact format and dtype is auto or float32
 WEIGHT_CHOICES = ("auto", "compact", "compact-int8", "dense")
+# the rejection sampler a verifier runs: "auto" = the fused Triton kernel when the logits live on
+# CUDA, else the torch reference (dspark/engine/verifier.py: resolve_sampler_backend)
+SAMPLER_BACKENDS = ("auto", "torch", "triton")
 WEIGHTS_HELP = ("linear weights: compact = the exact fp32 weights in the checkpoint's block format (3-5x fewer bytes "
                 "per step); compact-int8 = those weights with int8 activations, llama.cpp's Q4_1 numerics (2-3x faster "
                 "GEMMs, a close but different model); dense; auto = compact where every layer has one")
@@ -152,14 +155,14 @@ class VerifierSection(_Endpoint):
     address: str = ""
     sps_max_batch: int = 64  # profile SPS(B) at start-up up to this B (tokens); 0 skips it
     sps_tokens_per_request: int = 8  # query tokens per request in the profile's batches (γ + 1)
-    sampler_backend: str = "auto"  # torch | triton | auto (Triton when CUDA is present)
+    sampler_backend: str = "auto"  # SAMPLER_BACKENDS: torch | triton | auto (Triton when CUDA is present)
 
     def __post_init__(self) -> None:
         _check_port("verifier", self.port)
         _check(self.sps_max_batch >= 0, f"verifier.sps_max_batch must be >= 0 (0 = no profile), got {self.sps_max_batch}")
         _check(self.sps_tokens_per_request >= 1, f"verifier.sps_tokens_per_request must be >= 1, got {self.sps_tokens_per_request}")
-        _check(self.sampler_backend in ("auto", "torch", "triton"),
-               f"verifier.sampler_backend must be 'auto', 'torch' or 'triton', got {self.sampler_backend!r}")
+        _check(self.sampler_backend in SAMPLER_BACKENDS,
+               f"verifier.sampler_backend must be one of {', '.join(map(repr, SAMPLER_BACKENDS))}, got {self.sampler_backend!r}")
 
 
 @dataclass(frozen=True)

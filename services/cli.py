@@ -35,7 +35,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from dspark.command_config import add_config_arguments, add_config_flag, command_config
-from dspark.serving_config import WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
+from dspark.serving_config import SAMPLER_BACKENDS, WEIGHT_CHOICES, WEIGHTS_HELP, ServingConfig
 from services.healthcheck import add_healthcheck_arguments
 from services.supervisor import Child, Supervisor
 
@@ -271,7 +271,7 @@ def add_service_parsers(sub: argparse._SubParsersAction) -> None:
     add_config_flag(v, "--max-model-len", key="model.max_model_len", type=int, help="context window; 0 = the model's")
     add_config_flag(v, "--sps-max-batch", key="verifier.sps_max_batch", type=int,
                     help="profile SPS(B) at start-up up to this B; 0 skips it")
-    add_config_flag(v, "--sampler-backend", key="verifier.sampler_backend", choices=["auto", "torch", "triton"])
+    add_config_flag(v, "--sampler-backend", key="verifier.sampler_backend", choices=SAMPLER_BACKENDS)
     v.set_defaults(func=cmd_verifier)
 
     d = sub.add_parser("drafter", help="gRPC drafter service: hosts a drafter, keeps each request's context features")

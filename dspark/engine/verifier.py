@@ -35,6 +35,7 @@ from dspark.profiling.sps import SPSProfile
 from dspark.sampling import DraftProbs, RejectionBatch, RejectionResult, draw_rejection_randoms, rejection_sample
 from dspark.sampling.logprobs import MAX_LOGPROBS, NOT_ASKED, RoundLogprobs, round_logprobs
 from dspark.sampling.params import SamplingParams
+from dspark.serving_config import SAMPLER_BACKENDS
 
 __all__ = ["KVBudgetExceeded", "LocalVerifier", "Verifier", "VerifyBatch", "VerifyResult", "resolve_sampler_backend"]
 
@@ -116,8 +117,8 @@ def resolve_sampler_backend(backend: str, device: torch.device | str = "cpu") ->
 
     "triton" for logits on another device is refused here, at start-up, rather than at the first
     round: only Triton's interpreter (TRITON_INTERPRET=1, for tests) runs the kernel on the CPU."""
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"sampler_backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler_backend must be one of {', '.join(map(repr, SAMPLER_BACKENDS))}, got {backend!r}")
     on_cuda = torch.device(device).type == "cuda" and torch.cuda.is_available()
     if backend == "auto":
         return "triton" if on_cuda else "torch"

@@ -238,6 +238,9 @@ def append_features(msg: drafter_pb2.AppendFeaturesRequest, *, num_capture_layer
 def drafter_info(msg: drafter_pb2.DrafterInfo) -> None:
     _check(len(msg.name) > 0, "name", "must be a non-empty drafter name")
     _check(msg.vocab_size >= 1, "vocab_size", f"must be >= 1, got {msg.vocab_size}")
+    _check(msg.block_size >= 0, "block_size", f"must be >= 0 (0: no bound), got {msg.block_size}")
+    _check(0 <= msg.draft_vocab_size <= msg.vocab_size, "draft_vocab_size",
+           f"must be in [0, vocab_size={msg.vocab_size}] (0: the whole vocabulary), got {msg.draft_vocab_size}")
     bad = [layer for layer in msg.capture_layers if layer < 0]
     _check(not bad, "capture_layers", f"layer indices must be >= 0, got {_preview(list(msg.capture_layers))}")
     if msg.needs_hidden_states:

@@ -53,12 +53,13 @@ class RemoteDrafter(Drafter):
             address, drafter_pb2_grpc.DrafterStub, drafter_pb2.GetDrafterInfoRequest(), service="drafter",
             connect_timeout_s=connect_timeout_s, max_message_mb=max_message_mb, auth_token=auth_token, tls=tls, wire_bytes=wire_bytes)
         self._check_reply(lambda: validate.drafter_info(info), "GetInfo")
-        # DrafterInfo carries no block_size or draft_vocab_size: the engine reads neither (they
-        # stay at "no bound of its own" / "the target's vocabulary")
+        # the service's spec as declared: 0 on the wire is None ("no bound of its own", "the
+        # target's whole vocabulary")
         self.spec = DrafterSpec(name=info.name, needs_hidden_states=info.needs_hidden_states,
                                 capture_layers=tuple(info.capture_layers) if info.needs_hidden_states else (),
                                 provides_confidences=info.provides_confidences,
-                                free_proposals=info.free_proposals)  # it proposes lookups on rounds the draft gate skips
+                                free_proposals=info.free_proposals,  # it proposes lookups on rounds the draft gate skips
+                                block_size=info.block_size or None, draft_vocab_size=info.draft_vocab_size or None)
         self.vocab_size: int = info.vocab_size
         self.hidden_size: int = info.hidden_size
         self._known_tokens: dict[str, int] = {}  # request -> tokens the service holds (it keeps the sequence)

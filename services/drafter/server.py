@@ -131,6 +131,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 name=self.spec.name, needs_hidden_states=self.needs_hidden, capture_layers=list(self.capture_layers),
                 provides_confidences=self.spec.provides_confidences, vocab_size=self.vocab_size,
                 hidden_size=self.hidden_size, free_proposals=self.spec.free_proposals,
+                block_size=self.spec.block_size or 0, draft_vocab_size=self.spec.draft_vocab_size or 0,
             )
 
     def _check_features(self, request_id: str, num_tokens: int) -> None:

@@ -5,7 +5,8 @@ fixed seeds at temperature 1 the remote engine emits exactly the tokens the in-p
 emits (same p_d rows, same hidden states, same random streams: dense and sparse rows); a request
 whose KV does not fit waits and is served later, never failed; a verifier that answers too late
 is retried on a rebuilt request, then fails it with an error naming the service and the deadline;
-finished requests leave no state on either service.
+finished requests leave no state on either service; the remote drafter declares the service's
+spec field for field.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from dspark.drafters.base import DraftRequest
+from dspark.drafters.dspark.serving import DSparkServingDrafter
 from dspark.drafters.ngram import NgramDrafter
 from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.faults import FaultPolicy, RequestsFailed
@@ -28,6 +30,7 @@ from dspark.scheduling.policies import parse_policy
 from services.drafter.client import RemoteDrafter
 from services.grpc_common import ServiceUnavailable
 from services.verifier.client import RemoteVerifier
+from tests.drafters.test_draft_vocabulary import make_drafter as make_vocab_drafter
 from tests.drafters.test_dspark_serving import make_serving_drafter
 from tests.services.conftest import PROFILE
 
@@ -65,6 +68,17 @@ def test_greedy_output_over_the_services_is_plain_decoding_whatever_the_policy(s
     assert drafted == 0 if spec == "none" else drafted > 0 and accepted > 0  # drafts verified over gRPC, some accepted
     assert engine.verifier.remove_request(["r0", "r1", "r2"]) == 0  # finished requests were freed on the verifier
     assert runtime.kv.reserved_tokens == 0
+
+
+@pytest.mark.parametrize("draft_vocab", [None, list(range(0, 256, 2))])
+def test_the_remote_drafter_declares_the_services_spec_field_for_field(serve, tiny_runtime_factory, draft_vocab):
+    runtime = tiny_runtime_factory(capture_layers=CAPTURE)
+    local = DSparkServingDrafter(make_vocab_drafter(runtime, draft_vocab, block_size=5))
+    address = serve.drafter(local, vocab_size=runtime.vocab_size, hidden_size=runtime.config.hidden_size)
+    remote = RemoteDrafter(address)
+    assert remote.spec == local.spec  # block size and draft vocabulary included
+    assert remote.spec.block_size == 5 and remote.spec.draft_vocab_size == (None if draft_vocab is None else 128)
+    assert RemoteDrafter(serve.drafter(NgramDrafter(), vocab_size=runtime.vocab_size, hidden_size=0)).spec == NgramDrafter().spec
 
 
 def test_greedy_output_with_the_ngram_drafter_and_with_no_drafter_is_plain_decoding(serve, tiny_runtime):

@@ -92,7 +92,7 @@ class GetDrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("name", "needs_hidden_states", "capture_layers", "provides_confidences", "vocab_size", "hidden_size", "free_proposals")
+    __slots__ = ("name", "needs_hidden_states", "capture_layers", "provides_confidences", "vocab_size", "hidden_size", "free_proposals", "block_size", "draft_vocab_size")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NEEDS_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
     CAPTURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,8 @@ class DrafterInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     FREE_PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     name: str
     needs_hidden_states: bool
     capture_layers: _containers.RepeatedScalarFieldContainer[int]
@@ -107,4 +109,6 @@ class DrafterInfo(_message.Message):
     vocab_size: int
     hidden_size: int
     free_proposals: bool
-    def __init__(self, name: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., capture_layers: _Optional[_Iterable[int]] = ..., provides_confidences: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., free_proposals: _Optional[bool] = ...) -> None: ...
+    block_size: int
+    draft_vocab_size: int
+    def __init__(self, name: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., capture_layers: _Optional[_Iterable[int]] = ..., provides_confidences: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., hidden_size: _Optional[int] = ..., free_proposals: _Optional[bool] = ..., block_size: _Optional[int] = ..., draft_vocab_size: _Optional[int] = ...) -> None: ...
