@@ -55,6 +55,10 @@ def make_runtime_on(device: torch.device | str, **kwargs) -> TargetRuntime:
 # Scales of the random weights: large enough that distributions are not near-uniform (greedy
 # margins are wide, temperature-1 sampling is neither flat nor a point mass).
 EMBED_STD = 0.3  # tied LM head: logits have std ~ EMBED_STD * sqrt(hidden_size)
+# an 8-token target small enough that exact sequence probabilities of a few tokens can be
+# enumerated (the chi-square losslessness tests), with two layers a drafter reads
+SMALL_VOCAB_RUNTIME = {"vocab_size": 8, "num_layers": 2, "embed_std": 0.12, "compute_dtype": torch.float32, "seed": 11,
+                       "capture_layers": (0, 1)}
 
 
 def random_hf_state_dict(config: ModelConfig, *, seed: int, embed_std: float = EMBED_STD) -> dict[str, torch.Tensor]:

@@ -244,8 +244,28 @@ def _shared_on(target_shared: SharedWeights, device: torch.device) -> SharedWeig
     return SharedWeights(embed=embed, lm_head=embed if tied else target_shared.lm_head.to(device))
 
 
-def peak_memory_mb(device: torch.device) -> dict[str, float]:
+def resident_mb() -> dict[str, float]:
+    """This process's resident memory now, split as Linux reports it (/proc/self/status): private
+    memory (RssAnon: tensors, optimiser state, the allocator) and pages of mapped files (RssFile:
+    mostly the target cache's memmaps, clean pages the kernel reclaims under pressure). Empty where
+    /proc is not there."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return {}
+    kib = {k: float(v.split()[0]) for k, _, v in (line.partition(":") for line in lines) if k in ("RssAnon", "RssFile")}
+    return {"private_mb": kib["RssAnon"] / 1024, "mapped_files_mb": kib["RssFile"] / 1024} if len(kib) == 2 else {}
+
+
+def peak_memory_mb(device: torch.device, *, peak_private_mb: float | None = None) -> dict[str, float]:
+    """peak_rss_mb counts the cache pages a run has touched (they stay resident while memory is
+    free), so on a large cache it reads far above what the run needs; peak_private_mb, the most
+    private memory seen at any step, is what must fit in RAM."""
     out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # Linux: KiB
+    if peak_private_mb is not None:
+        out["peak_private_mb"] = round(peak_private_mb, 1)
+    if "mapped_files_mb" in (now := resident_mb()):
+        out["mapped_files_mb"] = round(now["mapped_files_mb"], 1)
     if device.type == "cuda":
         out["peak_cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     return out
@@ -312,6 +332,7 @@ def train(
     bar = tqdm(total=total, initial=start, disable=not progress, desc="train", dynamic_ncols=True)
     log = (run / METRICS_FILE).open("a")
     step = start
+    peak_private: float | None = None
     try:
         for step, epoch, seqs in batch_schedule(config, cache, start=start, stop=stop):
             batch = sample_batch(cache, seqs, anchors_per_seq=config.anchors_per_seq, block_size=config.block_size,
@@ -328,6 +349,8 @@ def train(
             tokens_done += batch.context_tokens
             labels_done += batch.num_labels
             losses.append(result.metrics["loss"])
+            if "private_mb" in (memory := resident_mb()):  # after the step: gradients and optimiser state are live
+                peak_private = max(peak_private or 0.0, memory["private_mb"])
             entry = {"step": step + 1, "epoch": epoch, "lr": lr, "grad_norm": float(grad_norm), **result.metrics,
                      "blocks": batch.num_blocks, "labels": batch.num_labels, "context_tokens": batch.context_tokens,
                      "elapsed_s": round(wall_before + time.perf_counter() - t0, 3)}
@@ -351,7 +374,7 @@ def train(
         summary: dict[str, Any] = {"event": "end" if step >= total else "stopped", "steps": step, "total_steps": total,
                                    "wall_s": round(wall, 3), "context_tokens": tokens_done, "label_tokens": labels_done,
                                    "label_tokens_per_s": round(labels_done / wall, 1) if wall > 0 else None,
-                                   **peak_memory_mb(device)}
+                                   **peak_memory_mb(device, peak_private_mb=peak_private)}
         if step >= total:
             summary["heldout"] = heldout if heldout is not None else _evaluate(algo, model, eval_cache or cache, config, device)
         log.write(json.dumps(summary) + "\n")

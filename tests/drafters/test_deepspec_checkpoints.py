@@ -27,8 +27,10 @@ from safetensors.torch import load_file, save_file
 from dspark.drafters import deepspec_format, registry
 from dspark.drafters.base import DraftRequest
 from dspark.drafters.checkpoint_io import checkpoint_algo
+from dspark.drafters.dspark.checkpoint import export_checkpoint, load_checkpoint
 from dspark.drafters.dspark.model import BlockBatch
 from dspark.drafters.registry import drafter_capture_layers, make_drafter
+from dspark.drafters.shared import SharedWeights
 from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import TargetRuntime
 from dspark.sampling.params import SamplingParams
@@ -86,6 +88,14 @@ def greedy_proposals(drafter, exp: dict[str, torch.Tensor], gamma: int):
     return out
 
 
+def served(name: str):
+    """Fixture `name` loaded by the registry path `dspark serve` takes, its expected numbers, and γ."""
+    directory = FIXTURES / name
+    drafter = make_drafter(FAMILY[name], runtime=runtime_for(directory), path=directory)
+    exp = expected(name)
+    return drafter, exp, exp["draft_tokens"].shape[1]
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().float() - b.float()).abs().max())
 
@@ -95,11 +105,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", DSPARK)
 def test_dspark_logits_and_confidences_equal_deepspecs(name):
-    directory = FIXTURES / name
-    runtime = runtime_for(directory)
-    drafter = make_drafter("dspark", runtime=runtime, path=directory)  # the registry path `dspark serve` takes
-    exp = expected(name)
-    gamma = exp["draft_tokens"].shape[1]
+    drafter, exp, gamma = served(name)
     assert drafter.spec.block_size == gamma and drafter.spec.provides_confidences
 
     # teacher-forced on DeepSpec's greedy tokens = the previous tokens its sampler conditioned on
@@ -116,10 +122,7 @@ def test_dspark_logits_and_confidences_equal_deepspecs(name):
 
 @pytest.mark.parametrize("name", DFLASH)
 def test_dflash_logits_equal_deepspecs(name):
-    directory = FIXTURES / name
-    drafter = make_drafter("dflash", runtime=runtime_for(directory), path=directory)
-    exp = expected(name)
-    gamma = exp["draft_tokens"].shape[1]
+    drafter, exp, gamma = served(name)
     assert drafter.model.config.anchor_predicts and drafter.model.block_len == gamma  # DeepSpec's block: [x_0, mask × (γ-1)]
     logits = drafter.model(blocks_at_anchors(exp))[:, 0]  # [anchors, γ, V]
     assert exp["draft_logits"].std() > 1.0
@@ -130,10 +133,7 @@ def test_dflash_logits_equal_deepspecs(name):
 
 @pytest.mark.parametrize("name", EAGLE3)
 def test_eagle3_logits_equal_deepspecs(name):
-    directory = FIXTURES / name
-    drafter = make_drafter("eagle3", runtime=runtime_for(directory), path=directory)
-    exp = expected(name)
-    gamma = exp["draft_tokens"].shape[1]
+    drafter, exp, gamma = served(name)
     assert drafter.model.config.entry_layout == "feature"
     # training-time test over the anchors, teacher-forced on DeepSpec's greedy chain (what it fed back)
     batch = blocks_at_anchors(exp)
@@ -159,8 +159,6 @@ def test_the_registry_reads_the_family_and_capture_layers_from_the_deepspec_conf
 
 
 def _shared(runtime):
-    from dspark.drafters.shared import SharedWeights
-
     return SharedWeights.from_target(runtime.model)
 
 
@@ -357,9 +355,6 @@ def test_greedy_speculative_decoding_with_a_deepspec_drafter_equals_plain_decodi
 def test_export_converts_a_deepspec_dspark_checkpoint_into_our_layout(tmp_path):
     """`dspark export` loads through the same translation and writes our own layout, which then
     drafts exactly as the DeepSpec directory did (its config has the options the mapping set)."""
-    from dspark.drafters.dspark.checkpoint import export_checkpoint, load_checkpoint
-    from dspark.drafters.shared import SharedWeights
-
     name = DSPARK[2]  # gated head, confidence on h_k alone: the new options round-trip through our JSON
     directory = FIXTURES / name
     shared = SharedWeights.from_target(runtime_for(directory).model)

@@ -23,6 +23,7 @@ from dspark.drafters.dspark.serving import DSparkServingDrafter
 from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
+from tests.conftest import SMALL_VOCAB_RUNTIME
 from tests.distribution_checks import chi_square_pvalue, exact_sequence_probs
 from tests.drafters.conftest import with_random_norms
 from tests.drafters.engine_checks import assert_sampling_is_lossless, greedy_plain_and_speculative, totals
@@ -43,8 +44,7 @@ def make_drafter(runtime, d2t: list[int] | None, *, seed: int = 0, block_size: i
 @pytest.fixture
 def small_runtime(tiny_runtime_factory):
     # 8 tokens: exact sequence probabilities of 3-token continuations are cheap to enumerate
-    return tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                capture_layers=(0, 1))
+    return tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
 
 
 DRAFT_VOCAB = [0, 2, 3, 5, 6]  # 5 of the 8 tokens

@@ -17,7 +17,7 @@ from dspark.drafters.dspark.serving import DSparkServingDrafter
 from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.sampling.params import SamplingParams
-from tests.conftest import make_runtime_on
+from tests.conftest import SMALL_VOCAB_RUNTIME, make_runtime_on
 from tests.drafters.engine_checks import (
     GREEDY,
     assert_sampling_is_lossless,
@@ -59,8 +59,7 @@ def test_the_context_cache_covers_exactly_the_verified_positions(tiny_runtime_fa
 
 @pytest.mark.parametrize("top_k", [0, 3], ids=["dense-rows", "sparse-top3-rows"])
 def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory, top_k):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2), num_samples=3000)
 
 
@@ -195,6 +194,5 @@ def test_on_the_device_greedy_output_equals_plain_decoding(device):
 @pytest.mark.device
 @pytest.mark.parametrize("top_k", [0, 3], ids=["dense-rows", "sparse-top3-rows"])
 def test_on_the_device_sampled_tokens_have_exactly_the_target_distribution(device, top_k):
-    runtime = make_runtime_on(device, vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                              capture_layers=(0, 1))
+    runtime = make_runtime_on(device, **SMALL_VOCAB_RUNTIME)
     assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, top_k=top_k, block_size=2), num_samples=3000)

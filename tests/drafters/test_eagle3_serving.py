@@ -21,6 +21,7 @@ from dspark.drafters.shared import SharedWeights
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.sampling.categorical import sample_categorical
 from dspark.sampling.params import SamplingParams, logits_to_probs
+from tests.conftest import SMALL_VOCAB_RUNTIME
 from tests.drafters.engine_checks import (
     GREEDY,
     assert_sampling_is_lossless,
@@ -123,8 +124,7 @@ def test_greedy_output_with_the_eagle3_drafter_equals_plain_decoding(tiny_runtim
 
 
 def test_sampled_tokens_have_exactly_the_target_distribution(tiny_runtime_factory):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     assert_sampling_is_lossless(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_samples=2000)
 
 

@@ -29,6 +29,7 @@ from dspark.drafters.lookup import (
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.profiling.sps import SPSProfile
 from dspark.scheduling.policies import parse_policy
+from tests.conftest import SMALL_VOCAB_RUNTIME
 from tests.drafters.engine_checks import GREEDY, assert_sampling_is_lossless, totals
 from tests.drafters.test_dspark_serving import make_serving_drafter
 
@@ -143,8 +144,7 @@ def test_greedy_output_with_lookups_equals_plain_decoding(tiny_runtime_factory, 
 
 
 def test_sampled_tokens_with_lookups_have_exactly_the_target_distribution(tiny_runtime_factory):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     drafter = LookupDrafter(make_serving_drafter(runtime, seed=2, block_size=2), min_n=1)
     # the prompt repeats (3, 1): the first round's block is a lookup, later ones either kind
     assert_sampling_is_lossless(runtime, drafter, num_samples=3000, prompt=(3, 1, 4, 1, 5, 3, 1))

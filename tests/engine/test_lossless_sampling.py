@@ -15,10 +15,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from dspark.sampling import RejectionBatch, RejectionResult, rejection_sample
 from dspark.sampling.rejection_sampler import exponential_race, prepare_batch, rejection_sample_reference
+from tests.conftest import SMALL_VOCAB_RUNTIME
 from tests.distribution_checks import P_PASS, P_WRONG
 from tests.drafters.engine_checks import sampling_pvalue
 from tests.drafters.test_dspark_serving import make_serving_drafter
@@ -36,8 +36,7 @@ SETTINGS = {
 @pytest.fixture
 def small_runtime(tiny_runtime_factory):
     # 8 tokens: the 512 three-token continuations are cheap to enumerate exactly
-    return tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                capture_layers=(0, 1))
+    return tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
 
 
 def pvalue(runtime, setting: str) -> float:

@@ -13,12 +13,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
-import torch
 
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.profiling.sps import SPSProfile
 from dspark.sampling.params import SamplingParams
 from dspark.scheduling.policies import parse_policy
+from tests.conftest import SMALL_VOCAB_RUNTIME
 from tests.distribution_checks import P_PASS, P_WRONG, chi_square_pvalue, exact_sequence_probs, losslessness_pvalue
 from tests.drafters.engine_checks import sample_continuations
 from tests.drafters.test_dspark_serving import make_serving_drafter
@@ -84,8 +84,7 @@ def test_the_dspark_policy_needs_an_sps_profile(tiny_runtime_factory):
 
 
 def test_sampled_tokens_keep_the_target_distribution_under_algorithm_1(tiny_runtime_factory):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     prompt, num_samples, num_tokens = [3, 1, 4, 1, 5], 3000, 3
     exact = exact_sequence_probs(runtime, prompt, num_tokens)
     drafter = make_serving_drafter(runtime, seed=2, block_size=2)
@@ -141,14 +140,12 @@ def dspark_async_pvalue(runtime, policy, *, num_samples: int = 3000) -> float:
 
 
 def test_sampled_tokens_keep_the_target_distribution_under_dspark_async(tiny_runtime_factory):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     assert dspark_async_pvalue(runtime, parse_policy("dspark-async")) > P_PASS
 
 
 def test_the_same_test_rejects_a_policy_whose_choice_of_a_draft_depends_on_that_draft(tiny_runtime_factory):
-    runtime = tiny_runtime_factory(vocab_size=8, num_layers=2, embed_std=0.12, compute_dtype=torch.float32, seed=11,
-                                   capture_layers=(0, 1))
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
     assert dspark_async_pvalue(runtime, VerifiesOnlyWhenTheSecondConfidenceIsHigh()) < P_WRONG
 
 

@@ -2,7 +2,8 @@
 
 Tiny random target and a 1-layer, γ = 4, rank 16 drafter on the CPU: the leakage rule is
 checked against a hand-built example, training lowers the loss, `--resume` reproduces the
-uninterrupted loss trace exactly, and the final checkpoint loads with `load_checkpoint`.
+uninterrupted loss trace exactly, the final checkpoint loads with `load_checkpoint`, and the
+end line reports the private memory a run needs apart from the cache pages it has mapped.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from dspark.training.trainer import (
     TrainConfig,
     learning_rate,
     read_metrics,
+    resident_mb,
     total_steps,
     train,
 )
@@ -138,6 +140,19 @@ def test_a_few_steps_lower_the_loss_and_log_metrics(cache, target, tmp_path):
     assert {"loss", "ce", "tv", "conf", "acc", "tau", "acc_per_pos", "lr", "labels"} <= log[0].keys()
     end = log[-1]
     assert end["event"] == "end" and end["steps"] == 20 and end["peak_rss_mb"] > 0 and end["label_tokens"] > 0
+    if resident_mb():  # Linux: private memory is reported apart from mapped files, and within the peak RSS
+        assert 0 < end["peak_private_mb"] <= end["peak_rss_mb"] and end["mapped_files_mb"] > 0
+
+
+@pytest.mark.skipif(not resident_mb(), reason="needs /proc/self/status (Linux)")
+def test_pages_of_a_mapped_cache_count_as_mapped_files_not_as_private_memory(tmp_path):
+    np.save(tmp_path / "big.npy", np.ones(16 * 2**20, dtype=np.float32))  # 64 MiB, like a cache shard
+    before = resident_mb()
+    mapped = np.load(tmp_path / "big.npy", mmap_mode="r")
+    assert float(mapped.sum(dtype=np.float64)) == 16 * 2**20  # every page read
+    after = resident_mb()
+    assert after["mapped_files_mb"] - before["mapped_files_mb"] > 48
+    assert after["private_mb"] - before["private_mb"] < 16
 
 
 def test_resume_reproduces_the_uninterrupted_loss_trace_exactly(cache, target, tmp_path):
