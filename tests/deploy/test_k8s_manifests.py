@@ -347,7 +347,9 @@ def test_every_service_selects_the_pods_of_exactly_one_deployment_on_declared_po
 @ALL
 def test_config_maps_and_secrets_referenced_by_pods_exist(name):
     objects = render(name)
-    for deployment, container in all_containers(objects):
+    containers = list(all_containers(objects))
+    assert containers, f"overlay {name} renders no containers: nothing was checked"
+    for deployment, container in containers:
         container_env(container, objects)  # resolves every envFrom and valueFrom reference, or fails
 
 
