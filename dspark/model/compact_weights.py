@@ -48,7 +48,8 @@ BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
 FORMATS = ("bf16", "q8_0", "q4_1")  # the exact formats compact() finds
 # the kernel's format codes are their indices: the exact formats, then Q4_1 weights with int8
 # activations (dspark/model/int8_activations.py: the opt-in `compact-int8` numerics, not exact)
-KERNEL_FORMATS = (*FORMATS, "q4_1_x8")
+KERNEL_FORMATS = (*FORMATS, "q4_1_x8", "q8_0_x8")
+INT8_FORMATS = ("q4_1_x8", "q8_0_x8")  # weights that take int8 activations
 
 
 @dataclass
@@ -59,7 +60,7 @@ class CompactWeight:
     out_features: int
     in_features: int
     # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1);
-    # q4_1_x8: [N, K / 2] uint8 (int8_activations.pack_weights)
+    # q4_1_x8: [N, K / 2] uint8 (int8_activations.pack_weights); q8_0_x8: [N, K] int8 (pack_q8_weights)
     q: torch.Tensor
     scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
     offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1(_x8), else None
@@ -171,6 +172,8 @@ def decode(cw: CompactWeight) -> torch.Tensor:  # [N, K] fp32, the weights the k
         return (cw.scale.unsqueeze(2) * cw.q.view(n, k // BLOCK, BLOCK).float()).view(n, k)
     if cw.format == "q4_1_x8":
         return (cw.scale.unsqueeze(2) * int8_activations.unpack_weights(cw.q).float() + cw.offset.unsqueeze(2)).view(n, k)
+    if cw.format == "q8_0_x8":
+        return (cw.scale.unsqueeze(2) * int8_activations.unpack_q8_weights(cw.q).float()).view(n, k)
     return (cw.scale.unsqueeze(2) * _q4_1_values(cw).float() + cw.offset.unsqueeze(2)).view(n, k)
 
 
@@ -184,19 +187,27 @@ def _q4_1_values(cw: CompactWeight) -> torch.Tensor:  # [N, K / 32, 32] int64 in
 
 def reference_matmul(x: torch.Tensor, cw: CompactWeight) -> torch.Tensor:
     """The plain reference of `matmul`: the decoded weights in a dense fp64 product (close to
-    the kernel, not its bits): x [M, K] fp32 -> [M, N] fp32. For q4_1_x8 the activations are
-    first rounded as that mode rounds them (int8_activations.quantize_blocks)."""
-    xd = int8_activations.dequantized(x) if cw.format == "q4_1_x8" else x.double()  # [M, K] fp64
+    the kernel, not its bits): x [M, K] fp32 -> [M, N] fp32. For the int8 formats (q4_1_x8,
+    q8_0_x8) the activations are first rounded as that mode rounds them (int8_activations.quantize_blocks)."""
+    xd = int8_activations.dequantized(x) if cw.format in INT8_FORMATS else x.double()  # [M, K] fp64
     return (xd @ decode(cw).double().t()).float()
 
 
 def with_int8_activations(cw: CompactWeight) -> CompactWeight:
-    """The same Q4_1 weights multiplied with int8 activations (int8_activations.py), repacked
-    for that kernel; a weight of another format is returned as it is (exact fp32)."""
-    if cw.format != "q4_1" or not int8_activations_available():
+    """The same Q4_1 or Q8_0 weights multiplied with int8 activations (int8_activations.py),
+    repacked for that kernel. A weight of another format, or a Q8_0 weight that uses -128 (the
+    kernel's sign trick cannot negate it; llama.cpp's quantiser never writes it), is returned
+    as it is (exact fp32)."""
+    if not int8_activations_available():
         return cw
-    return CompactWeight("q4_1_x8", cw.out_features, cw.in_features, int8_activations.pack_weights(_q4_1_values(cw)),
-                         cw.scale, cw.offset)
+    if cw.format == "q4_1":
+        return CompactWeight("q4_1_x8", cw.out_features, cw.in_features, int8_activations.pack_weights(_q4_1_values(cw)),
+                             cw.scale, cw.offset)
+    if cw.format == "q8_0" and not bool((cw.q == -128).any()):
+        values = cw.q.view(cw.out_features, cw.in_features // BLOCK, BLOCK)  # [N, K / 32, 32]
+        return CompactWeight("q8_0_x8", cw.out_features, cw.in_features, int8_activations.pack_q8_weights(values),
+                             cw.scale, None)
+    return cw
 
 
 def int8_activations_available() -> bool:
@@ -576,14 +587,15 @@ void dspark_x8_quantize_row(const float* x, int64_t K, uint8_t* out) {
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx, fp32) · Wᵀ, W in `format`
-// (0 bf16, 1 q8_0, 2 q4_1, 3 q4_1 with int8 activations; compact_weights.py): q as described there, d and mn [N, K / 32]
+// (0 bf16, 1 q8_0, 2 q4_1, 3 q4_1 and 4 q8_0 with int8 activations; compact_weights.py): q as described there, d and mn [N, K / 32]
 // fp32 (mn only for q4_1). K % 32 == 0. Threads split the columns.
 void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int format, const void* q,
                          const float* d, const float* mn, int64_t N, float* y, int64_t ldy, int threads) {
   if (format == 0) DSPARK_GEMM<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
   else if (format == 1) DSPARK_GEMM<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
   else if (format == 2) DSPARK_GEMM<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
-  else x8::gemm(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 3) x8::gemm<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else x8::gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
 }
 
 }  // extern "C"

@@ -367,7 +367,7 @@ class Transformer(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
         self.compact = False  # linear layers (and the LM head) on compact exact weights: use_compact_weights
-        self.int8_activations = False  # with compact: the Q4_1 layers take int8 activations (compact-int8)
+        self.int8_activations = False  # with compact: the Q4_1 / Q8_0 weights take int8 activations (compact-int8)
         self.set_attention(os.environ.get("DSPARK_ATTENTION", "batched"))
         self.set_fused(os.environ.get("DSPARK_FUSED", "1") != "0")
 
@@ -427,9 +427,9 @@ class Transformer(nn.Module):
         model then holds ~110 MB of GEMM weights instead of 537 MB (fp32) or 325 MB (bf16
         layers, fp32 head) and streams 3-5x fewer bytes per step.
 
-        int8_activations: the decoder layers' Q4_1 weights take int8 activations
-        (dspark/model/int8_activations.py: the `compact-int8` numerics, not exact); the LM head
-        stays on the exact fp32 kernel, so logits are fp32 products of the final hidden state."""
+        int8_activations: the Q4_1 and Q8_0 weights, the LM head's included, take int8
+        activations (dspark/model/int8_activations.py: the `compact-int8` numerics, not exact);
+        logits are still fp32 sums (of exact integer block products), never rounded."""
         if self.compute_dtype != torch.float32 or self.config.attention_bias or not compact_weights.available():
             return False
         formats = ("q4_1", "q8_0")  # bf16 blocks: oneDNN's bf16 GEMM reads the same bytes, faster from M = 8
@@ -448,6 +448,8 @@ class Transformer(nn.Module):
             if int8_activations:
                 cw = compact_weights.with_int8_activations(cw)
             setattr(self.layers[i], name, compact_weights.CompactLinear(cw))
+        if int8_activations:
+            head = compact_weights.with_int8_activations(head)
         self.__dict__["lm_head_packed"] = compact_weights.CompactLinear(head)
         self.compact = True
         self.int8_activations = int8_activations

@@ -1,5 +1,5 @@
-"""The `compact-int8` numerics (dspark/model/int8_activations.py): Q4_1 weights times activations
-rounded to int8 per block of 32. Not the exact model; what must hold is that the kernel computes
+"""The `compact-int8` numerics (dspark/model/int8_activations.py): Q4_1 and Q8_0 weights times
+activations rounded to int8 per block of 32. Not the exact model; what must hold is that the kernel computes
 exactly that rounded product, that it is batch-invariant (the same bits for a row whatever else
 is in the batch, the threads or the instruction set), and so that greedy speculative decoding
 in this mode is plain decoding in this mode, token for token."""
@@ -12,7 +12,7 @@ import torch
 from dspark.model import compact_weights as cw
 from dspark.model import int8_activations as i8
 from dspark.model.attention import LazyLibrary
-from tests.conftest import make_tiny_runtime, q4_1_exact
+from tests.conftest import make_tiny_runtime, q4_1_exact, q8_0_exact
 from tests.engine.test_speculative_engine import PROMPTS, RandomTokenDrafter, _generate, _plain_alone
 from dspark.drafters.ngram import NgramDrafter
 
@@ -21,11 +21,15 @@ pytestmark = pytest.mark.skipif(not cw.int8_activations_available(), reason="the
 # K = 64 and 96: one partial group (2 and 3 blocks); 256: one full group; 576 and 1536: the
 # default model's (2 full groups + 2 blocks, 6 full groups)
 SHAPES = [64, 96, 256, 576, 1536]
+WEIGHT_FORMATS = ["q4_1", "q8_0"]  # the decoder layers' and the default model's LM head
+ON_THE_GRID = {"q4_1": q4_1_exact, "q8_0": q8_0_exact}
 
 
-def _q4_1(n: int, k: int, seed: int = 0) -> cw.CompactWeight:
-    w = q4_1_exact(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5)
-    return cw.with_int8_activations(cw.compact(w, formats=("q4_1",)))
+def _int8_weight(fmt: str, n: int, k: int, seed: int = 0) -> cw.CompactWeight:
+    w = ON_THE_GRID[fmt](torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5)
+    c = cw.with_int8_activations(cw.compact(w, formats=(fmt,)))
+    assert c.format == f"{fmt}_x8"
+    return c
 
 
 def _rows(m: int, k: int, seed: int) -> torch.Tensor:  # [m, k]: activations of varied scale
@@ -44,10 +48,33 @@ def test_the_repacked_weights_are_the_same_weights(k):
     assert torch.equal(i8.unpack_weights(i8.pack_weights(values)), values)
 
 
-def test_only_q4_1_weights_take_int8_activations():
+@pytest.mark.parametrize("k", SHAPES)
+def test_the_repacked_q8_0_weights_are_the_same_weights(k):
+    exact = cw.compact(q8_0_exact(torch.randn(9, k, generator=torch.Generator().manual_seed(k))), formats=("q8_0",))
+    x8 = cw.with_int8_activations(exact)
+    assert x8.format == "q8_0_x8" and x8.q.shape == (9, k) and x8.nbytes == exact.nbytes
+    assert torch.equal(cw.decode(x8), cw.decode(exact))
+    values = torch.randint(-127, 128, (9, k // 32, 32), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(i8.unpack_q8_weights(i8.pack_q8_weights(values)), values)
+
+
+def test_only_q4_1_and_q8_0_weights_take_int8_activations():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).bfloat16().float()
     bf16 = cw.compact(w, formats=("bf16",))
     assert cw.with_int8_activations(bf16) is bf16
+
+
+def test_a_q8_0_weight_that_uses_minus_128_stays_exact():
+    """The kernel's sign trick cannot negate -128, so such a weight keeps the exact fp32 kernel."""
+    w = q8_0_exact(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    blocks = w.view(-1, 32)
+    d = blocks[0].abs().max() / 127
+    blocks[0, 1] = -128 * d  # q = -128 in the first block (127 · d stays its largest positive)
+    exact = cw.compact(w, formats=("q8_0",))
+    assert exact is not None and int(exact.q.min()) == -128
+    assert cw.with_int8_activations(exact) is exact
+    with pytest.raises(ValueError, match="-127..127"):
+        i8.pack_q8_weights(torch.full((1, 1, 32), -128))
 
 
 def test_activations_are_rounded_per_block_of_32_to_127_steps_of_its_largest_value():
@@ -87,22 +114,28 @@ def test_the_kernel_quantises_a_row_into_its_layout_with_the_references_bits(k):
         assert torch.equal(torch.cat(got_s), s[0])
 
 
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 @pytest.mark.parametrize("k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 5, 8, 13])
-def test_the_kernel_computes_the_rounded_activations_times_the_weights(k, m):
-    c = _q4_1(37, k, seed=k)
+def test_the_kernel_computes_the_rounded_activations_times_the_weights(fmt, k, m):
+    c = _int8_weight(fmt, 37, k, seed=k)
     x = _rows(m, k, seed=m)
     got = cw.matmul(x, c)  # [m, 37]
     reference = cw.reference_matmul(x, c)  # fp64 product of the rounded activations and the exact weights
     scale = (i8.dequantized(x).abs() @ cw.decode(c).double().abs().t()).float()  # Σ |x̂| |w|: the rounding's yardstick
     assert ((got - reference).abs() <= 1e-6 * scale + 1e-30).all()
-    exact = cw.matmul(x, cw.compact(cw.decode(c), formats=("q4_1",)))  # the exact model: close, not equal
-    assert ((got - exact).abs() <= 0.02 * scale + 1e-30).all()
+    exact = cw.matmul(x, cw.compact(cw.decode(c), formats=(fmt,)))  # the exact model: close, not equal
+    # by no more than the rounding allows: half a step s_b per activation, times |w|
+    _, steps = i8.quantize_blocks(x)  # [m, k / 32]
+    half_step = (steps.double() / 2).repeat_interleave(32, dim=1)  # [m, k]
+    rounding = (half_step @ cw.decode(c).double().abs().t()).float()  # [m, 37]
+    assert ((got - exact).abs() <= rounding * (1 + 1e-4) + 2e-6 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("fmt", WEIGHT_FORMATS)
 @pytest.mark.parametrize("k", [96, 1536])  # 1536: the rows go through the kernel in blocks of 32
-def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(k):
-    c = _q4_1(67, k, seed=3)  # an odd column count: the tail column of two-column tiles
+def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(fmt, k):
+    c = _int8_weight(fmt, 67, k, seed=3)  # an odd column count: the tail column of two-column tiles
     x = _rows(70, k, seed=4)
     threads = torch.get_num_threads()
     try:
@@ -122,17 +155,19 @@ def test_avx2s_byte_products_give_the_bits_of_vnni():
     source = "#define DSPARK_X8_NO_VNNI 1\n" + cw._SOURCE
     no_vnni = LazyLibrary(source, "compact_gemm_no_vnni", cw._SIGNATURES, fallback="no reference").get()
     assert no_vnni is not None
-    for k in SHAPES:
-        c = _q4_1(21, k, seed=k)
-        for m in (1, 4, 7):
-            x = _rows(m, k, seed=10 + m)
-            assert torch.equal(cw.matmul(x, c), cw._run(no_vnni, x, c, None)), f"K = {k}, M = {m}"
+    for fmt in WEIGHT_FORMATS:
+        for k in SHAPES:
+            c = _int8_weight(fmt, 21, k, seed=k)
+            for m in (1, 4, 7):
+                x = _rows(m, k, seed=10 + m)
+                assert torch.equal(cw.matmul(x, c), cw._run(no_vnni, x, c, None)), f"{fmt}, K = {k}, M = {m}"
 
 
 def test_a_model_in_int8_mode_is_close_to_the_exact_model():
     exact = make_tiny_runtime(compact=True)
     int8 = make_tiny_runtime(compact=True, int8_activations=True)
     assert int8.linear_numerics == "compact-int8" and exact.linear_numerics == "compact"
+    assert int8.model.__dict__["lm_head_packed"].weight.format == "q8_0_x8"  # the tied Q8_0 head takes int8 too
     prompt = torch.tensor(PROMPTS[4])
     logits = []
     for runtime in (exact, int8):
