@@ -2,7 +2,7 @@
 
 Owns `responses.jsonl`: each line is a prompt record plus
     {"prompt_ids": [...], "response_ids": [...], "finish_reason": "stop" | "length",
-     "target": "<model>", "temperature": 1.0, "seed": <int>}
+     "target": "<model>", "temperature": 1.0, "top_p": 1.0, "seed": <int>}
 `response_ids` keep the stop token that ended the turn (finish_reason "stop"): the drafter must
 learn to predict the end of a turn too.
 
@@ -126,12 +126,13 @@ def load_responses(path: str | Path, *, repair: bool = True) -> list[dict]:
 
 
 def _check_compatible(existing: list[dict], *, target: str, config: RegenConfig, path: Path) -> None:
-    for rec in existing[:1]:  # mixing targets or temperatures in one file would poison the data
-        got = (rec.get("target"), rec.get("temperature"))
-        if got != (target, config.temperature):
+    for rec in existing[:1]:  # mixing targets or sampling settings in one file would poison the data
+        # records written before top_p was recorded were all top_p 1
+        got = (rec.get("target"), rec.get("temperature"), rec.get("top_p", 1.0))
+        if got != (target, config.temperature, config.top_p):
             raise ValueError(
-                f"{path} holds responses of target {got[0]!r} at temperature {got[1]}; this run is {target!r} "
-                f"at temperature {config.temperature}: use another --data-dir or remove the file"
+                f"{path} holds responses of target {got[0]!r} at temperature {got[1]}, top_p {got[2]}; this run is "
+                f"{target!r} at temperature {config.temperature}, top_p {config.top_p}: use another --data-dir or remove the file"
             )
 
 
@@ -213,6 +214,7 @@ def regenerate(
                         "finish_reason": o.finish_reason,
                         "target": target,
                         "temperature": config.temperature,
+                        "top_p": config.top_p,
                         "seed": record_seed(config.seed, rec.id),
                     }
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -149,6 +149,27 @@ def test_resuming_with_another_target_or_temperature_is_refused(tiny_runtime, tm
         _run(tiny_runtime, tmp_path / "r.jsonl", prompts, config=RegenConfig(temperature=0.0))
 
 
+def test_each_record_says_its_top_p_and_a_resume_with_another_is_refused(tiny_runtime, tmp_path):
+    prompts = _prompts(2)
+    path = tmp_path / "r.jsonl"
+    _run(tiny_runtime, path, prompts[:1], config=RegenConfig(batch_size=2, max_new_tokens=8, temperature=0.7, top_p=0.8))
+    assert [r["top_p"] for r in load_responses(path)] == [0.8]
+    with pytest.raises(ValueError, match="top_p"):
+        _run(tiny_runtime, path, prompts, config=RegenConfig(batch_size=2, max_new_tokens=8, temperature=0.7))
+    _run(tiny_runtime, path, prompts, config=RegenConfig(batch_size=2, max_new_tokens=8, temperature=0.7, top_p=0.8))
+    assert len(load_responses(path)) == 2
+
+
+def test_records_from_before_top_p_was_recorded_read_as_top_p_1(tiny_runtime, tmp_path):
+    prompts = _prompts(2)
+    path = tmp_path / "r.jsonl"
+    _run(tiny_runtime, path, prompts[:1])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps({k: v for k, v in r.items() if k != "top_p"}) + "\n" for r in rows))
+    _run(tiny_runtime, path, prompts)  # top_p 1 (the default): compatible
+    assert len(load_responses(path)) == 2
+
+
 def test_a_prompt_too_long_for_the_context_is_skipped_and_the_rest_served(tiny_runtime_factory, tmp_path):
     runtime = tiny_runtime_factory(max_model_len=64)
     long_msg = [{"role": "user", "content": "x" * 100}]
