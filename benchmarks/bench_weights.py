@@ -4,8 +4,10 @@
 
 Modes (TargetConfig.weights / dtype): "compact" = the exact fp32 weights in the block format
 they came in (Q4_1 layers, Q8_0 LM head for the default model; dspark/model/compact_weights.py),
-"compact-int8" = the same weights with int8 activations into the Q4_1 layers (llama.cpp's Q4_1
-numerics; dspark/model/int8_activations.py), "bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
+"compact-int8" = the same weights with int8 activations into the Q4_1 layers and the Q8_0 LM head
+(llama.cpp's numerics; dspark/model/int8_activations.py), "compact-int8-exact-head" = compact-int8
+with the LM head back on the exact fp32 kernel (what the mode was before its head took int8: the
+head's share of the difference), "bf16" = dense bf16 layers + packed fp32 LM head (the serving default before compact weights on
 CPUs with native bf16), "fp32" = dense fp32 (oneDNN). Each step is one request verifying B query
 tokens over a --context-token prefix, shaped as a verify forward; B = 1 is plain decoding. Modes
 are interleaved at each B, round after round, so machine noise hits them alike; each cell is the
@@ -33,9 +35,21 @@ from dspark.model.target_runtime import TargetConfig, TargetRuntime
 MODES = {
     "compact": TargetConfig(weights="compact"),
     "compact-int8": TargetConfig(weights="compact-int8"),
+    "compact-int8-exact-head": TargetConfig(weights="compact-int8"),  # load_mode swaps its head
     "bf16": TargetConfig(dtype="bfloat16", weights="dense"),
     "fp32": TargetConfig(dtype="float32", weights="dense"),
 }
+
+
+def load_mode(mode: str) -> TargetRuntime:
+    runtime = TargetRuntime.load(MODES[mode])
+    if mode == "compact-int8-exact-head":
+        from dspark.model import compact_weights
+
+        model = runtime.model
+        exact = compact_weights.compact(model.lm_head_weight.detach(), ("q4_1", "q8_0"))
+        model.__dict__["lm_head_packed"] = compact_weights.CompactLinear(exact)
+    return runtime
 
 
 def gemm_weight_bytes(runtime: TargetRuntime) -> int:
@@ -147,7 +161,7 @@ def main() -> None:
     ap.add_argument("--agreement-tokens", type=int, default=128)
     args = ap.parse_args()
 
-    runtimes = {m: TargetRuntime.load(MODES[m]) for m in args.modes}
+    runtimes = {m: load_mode(m) for m in args.modes}
     for m, r in runtimes.items():
         print(f"{m}: linear layers {r.linear_numerics}, fused kernels {r.model.fused}, "
               f"{gemm_weight_bytes(r) / 1e6:.0f} MB of GEMM weights per step")

@@ -67,9 +67,10 @@ def _check_port(section: str, port: int) -> None:
 # How the target's linear layers hold their weights (TargetConfig.weights, `--weights`):
 #   compact       the exact fp32 weights in the block format they came in (Q4_1 / Q8_0 for the
 #                 default model), fp32 activations and sums (dspark/model/compact_weights.py)
-#   compact-int8  the same weights, but each activation row entering a Q4_1 layer rounded to
-#                 int8 per block of 32, as llama.cpp's Q4_1 path does: a different (close) model,
-#                 2-3x faster GEMMs, still batch-invariant (dspark/model/int8_activations.py)
+#   compact-int8  the same weights, but each activation row entering a Q4_1 or Q8_0 weight (the
+#                 LM head's included) rounded to int8 per block of 32, as llama.cpp does: a
+#                 different (close) model, 2-3x faster GEMMs, still batch-invariant
+#                 (dspark/model/int8_activations.py)
 #   dense         a dense `dtype` matrix (oneDNN)
 #   auto          compact where every layer has an exact format and dtype is auto or float32
 WEIGHT_CHOICES = ("auto", "compact", "compact-int8", "dense")
@@ -77,7 +78,7 @@ WEIGHT_CHOICES = ("auto", "compact", "compact-int8", "dense")
 # CUDA, else the torch reference (dspark/engine/verifier.py: resolve_sampler_backend)
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
 WEIGHTS_HELP = ("linear weights: compact = the exact fp32 weights in the checkpoint's block format (3-5x fewer bytes "
-                "per step); compact-int8 = those weights with int8 activations, llama.cpp's Q4_1 numerics (2-3x faster "
+                "per step); compact-int8 = those weights with int8 activations, llama.cpp's numerics (2-3x faster "
                 "GEMMs, a close but different model); dense; auto = compact where every layer has one")
 
 
