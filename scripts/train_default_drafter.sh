@@ -11,7 +11,8 @@
 # warm-started from INIT (default: the drafter shipped before this run, copied aside first, so
 # a rerun does not start from its own output), held-out τ and greedy τ logged every 200 steps,
 # then export (bf16) and STS calibration for sampled (T = 1) and greedy (T = 0) requests.
-# Knobs (environment): GREEDY_DATA, SEQUENCES (train sequences cached), HELDOUT (held-out
+# Knobs (environment): GREEDY_DATA (the regenerations: the greedy folder, or a greedy + sampled
+# mix written by scripts/mix_responses.py, held-out greedy records first), SEQUENCES (train sequences cached), HELDOUT (held-out
 # sequences cached), SKIP (train sequences of that order left out, e.g. the slice INIT was trained on), DRAFT_VOCAB, STEPS, BATCH_SEQS, ANCHORS, LR, INIT (a checkpoint, or "none").
 set -euo pipefail
 cd "$(dirname "$0")/.."
