@@ -18,6 +18,15 @@ see new rounds to notice that a request got easier). A probe that does not pay d
 before the next one, up to `max_probe_every`; a round that pays resets it: with a drafter that
 does not pay on this hardware (a verify step that grows steeply with B, as on compact fp32
 weights), fixed probes every 8 rounds cost ~8% of plain decoding's speed, backed-off ones ~1-2%.
+The wait is also never shorter than what keeps probes within `probe_budget` of decoding time:
+
+    probe cost  c = R t_d + T_v(R + P + R ℓ̄) − (1 + g) T_v(R + P)     (its time beyond what plain
+                                                                     decoding of its tokens takes)
+    wait        ≥ c / (probe_budget · T_v(R + P)) rounds
+
+On a fast step the doubling alone was not enough: with int8 activations (a 7.4 ms step against
+a 3.5 ms drafting round) back-off probes cost 3.5-4.6% of plain decoding on the benchmarks of
+bench_peers.py (docs/results/compact_weights.md); a 1% budget waits ~60 rounds there.
 Before any drafted round it drafts.
 
 Used by the `dspark` policy (`Policy.gates_drafting`); not by `dspark-async`, whose capacity
@@ -30,6 +39,7 @@ sampling is exact given the past whatever ℓ it verifies, ℓ = 0 included (doc
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,6 +50,7 @@ class DraftGate:
     smoothing: float = 0.3  # weight of the newest drafted round in the running means
     probe_every: int = 8  # draft anyway after this many rounds in a row without drafting
     max_probe_every: int = 64  # the wait doubles after each probe that did not pay, up to this
+    probe_budget: float | None = 0.01  # probes that do not pay take at most this share of decoding time; None: no bound
     draft_s_per_request: float | None = None  # fixed t_d (benchmarks, tests); None = measured
     # running means over drafted rounds (None until the first one)
     _t_d: float | None = None
@@ -55,6 +66,8 @@ class DraftGate:
             raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
         if self.max_probe_every < self.probe_every:
             raise ValueError(f"max_probe_every must be >= probe_every ({self.probe_every}), got {self.max_probe_every}")
+        if self.probe_budget is not None and not 0 < self.probe_budget <= 1:
+            raise ValueError(f"probe_budget must be in (0, 1], got {self.probe_budget}")
         self._probe_wait = self.probe_every
 
     def expected_gain(self, *, num_requests: int, sps_table: np.ndarray, prefill_tokens: int = 0) -> float | None:
@@ -73,6 +86,22 @@ class DraftGate:
         spec = r * (1.0 + self._accepted) / (r * t_d + step_s(r + prefill_tokens + r * self._verified))
         return spec / plain
 
+    def budget_wait(self, *, num_requests: int, sps_table: np.ndarray, prefill_tokens: int = 0) -> int:
+        """The fewest rounds between two probes that keeps probes within `probe_budget` of decoding
+        time (module docstring), from the running means; 0 before any drafted round or without a budget."""
+        if self._verified is None or num_requests == 0 or self.probe_budget is None:
+            return 0
+        sps = np.asarray(sps_table, dtype=np.float64)  # [B_max] SPS(B) at index B-1
+
+        def step_s(batch: float) -> float:
+            return 1.0 / sps[min(max(int(round(batch)), 1), len(sps)) - 1]
+
+        r = num_requests
+        t_d = self._t_d if self.draft_s_per_request is None else self.draft_s_per_request
+        plain = step_s(r + prefill_tokens)
+        cost = r * t_d + step_s(r + prefill_tokens + r * self._verified) - (1.0 + self._accepted) * plain
+        return max(0, math.ceil(cost / (self.probe_budget * plain)))
+
     def should_draft(self, *, num_requests: int, sps_table: np.ndarray | None, prefill_tokens: int = 0) -> bool:
         if sps_table is None or num_requests == 0:
             return True
@@ -80,7 +109,8 @@ class DraftGate:
         if gain is None or gain > 1.0:
             self._skipped_in_a_row, self._probe_wait = 0, self.probe_every
             return True
-        if self._skipped_in_a_row >= self._probe_wait:  # a probe; if it does not pay either, wait longer next time
+        wait = max(self._probe_wait, self.budget_wait(num_requests=num_requests, sps_table=sps_table, prefill_tokens=prefill_tokens))
+        if self._skipped_in_a_row >= wait:  # a probe; if it does not pay either, wait longer next time
             self._skipped_in_a_row = 0
             self._probe_wait = min(2 * self._probe_wait, self.max_probe_every)
             return True

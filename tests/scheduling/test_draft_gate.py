@@ -9,6 +9,7 @@ greedy output identical to plain decoding and the sampled distribution exactly t
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -39,7 +40,7 @@ def test_the_expected_gain_is_the_ratio_of_tokens_per_second_with_and_without_dr
 
 
 def test_a_drafter_that_is_never_accepted_is_skipped_but_probed_less_and_less_often():
-    gate = DraftGate(probe_every=3, max_probe_every=6)
+    gate = DraftGate(probe_every=3, max_probe_every=6, probe_budget=None)  # the doubling alone (budget: below)
     decisions = []
     for _ in range(25):
         draft = gate.should_draft(num_requests=1, sps_table=TABLE)
@@ -52,7 +53,7 @@ def test_a_drafter_that_is_never_accepted_is_skipped_but_probed_less_and_less_of
 
 
 def test_a_probe_that_pays_brings_back_the_short_wait():
-    gate = DraftGate(probe_every=2, max_probe_every=8)
+    gate = DraftGate(probe_every=2, max_probe_every=8, probe_budget=None)
     rounds = []
     for i in range(40):
         draft = gate.should_draft(num_requests=1, sps_table=TABLE)
@@ -66,6 +67,33 @@ def test_a_probe_that_pays_brings_back_the_short_wait():
 def test_the_probe_waits_are_validated():
     with pytest.raises(ValueError, match="max_probe_every"):
         DraftGate(probe_every=8, max_probe_every=4)
+    for budget in (0.0, 1.5):
+        with pytest.raises(ValueError, match="probe_budget"):
+            DraftGate(probe_budget=budget)
+
+
+@pytest.mark.parametrize("budget", [0.01, 0.03])
+def test_probes_that_do_not_pay_cost_at_most_the_budget_of_decoding_time(budget):
+    """A drafter that costs half a step and is never accepted: probes wait long enough that their
+    time beyond plain decoding stays within the budget (here 0.005 s a probe: 0.003 s drafting +
+    T_v(5) - T_v(1) = 0.002 s; a plain step 0.010 s)."""
+    gate = DraftGate(probe_budget=budget)
+    probe_s = plain_s = 0.0
+    for _ in range(20_000):
+        if gate.should_draft(num_requests=1, sps_table=TABLE):
+            gate.record(num_requests=1, draft_seconds=0.003, verified=4, accepted=0)
+            probe_s += 0.003 + 1 / TABLE[4] - 1 / TABLE[0]
+        plain_s += 1 / TABLE[0]
+    assert gate.budget_wait(num_requests=1, sps_table=TABLE) == math.ceil(0.005 / (budget * 0.010))
+    assert probe_s / plain_s <= budget * 1.05
+    assert probe_s > 0  # it still probes
+
+
+def test_a_probe_costs_what_it_takes_beyond_plain_decoding_of_its_accepted_tokens():
+    gate = DraftGate(draft_s_per_request=0.002, probe_budget=0.01)
+    gate.record(num_requests=2, draft_seconds=0.004, verified=8, accepted=0.5)  # ℓ̄ = 4, g = 0.25 per request
+    # 2 * 0.002 + T_v(10) = 0.015 - 1.25 * T_v(2) = 0.0125 -> 0.0065 s, over 1% of 0.010 s
+    assert gate.budget_wait(num_requests=2, sps_table=TABLE) == math.ceil(0.0065 / (0.01 * 0.010))
 
 
 def test_a_drafter_that_pays_keeps_drafting():
@@ -90,9 +118,9 @@ def gated_engine(runtime, *, draft_s_per_request: float, probe_every: int = 2) -
     engine = SpeculativeEngine(runtime, make_serving_drafter(runtime, seed=2, block_size=2), num_speculative_tokens=2,
                                policy=parse_policy("dspark"))
     engine.sps_profile = PROFILE
-    # a fixed probe period (no backoff): these tests price drafting so that the decision flips
+    # a fixed probe period (no backoff, no time budget): these tests price drafting so that the decision flips
     engine.draft_gate = DraftGate(draft_s_per_request=draft_s_per_request, probe_every=probe_every,
-                                  max_probe_every=probe_every)
+                                  max_probe_every=probe_every, probe_budget=None)
     return engine
 
 
