@@ -30,6 +30,7 @@ from dspark.engine.async_engine import AsyncEngine
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.observability.round_feed import RoundEvent
 from dspark.profiling.sps import SPSProfile
+from dspark.scheduling.draft_gate import DraftGate
 from dspark.scheduling.policies import parse_policy
 from dspark.serving_config import GatewaySection
 from gateway.connection_limits import uvicorn_config
@@ -69,6 +70,9 @@ def dspark_engine() -> SpeculativeEngine:
     runtime = make_tiny_runtime(capture_layers=(1, 3))
     engine = SpeculativeEngine(runtime, make_serving_drafter(runtime), num_speculative_tokens=4, policy=parse_policy("dspark"))
     engine.sps_profile = PROFILE
+    # the page must show rounds Algorithm 1 ran on: a random drafter never pays on the tiny model,
+    # and a 1 % probe budget would leave it a handful of probes, so the gate keeps only its back-off
+    engine.draft_gate = DraftGate(probe_budget=None)
     return engine
 
 
