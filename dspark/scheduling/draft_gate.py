@@ -75,15 +75,9 @@ class DraftGate:
         table's last entry stands in for batches beyond it."""
         if self._verified is None or num_requests == 0:
             return None
-        sps = np.asarray(sps_table, dtype=np.float64)  # [B_max] SPS(B) at index B-1
-
-        def step_s(batch: float) -> float:
-            return 1.0 / sps[min(max(int(round(batch)), 1), len(sps)) - 1]
-
-        r = num_requests
-        t_d = self._t_d if self.draft_s_per_request is None else self.draft_s_per_request
+        r, step_s = num_requests, _step_seconds(sps_table)
         plain = r / step_s(r + prefill_tokens)
-        spec = r * (1.0 + self._accepted) / (r * t_d + step_s(r + prefill_tokens + r * self._verified))
+        spec = r * (1.0 + self._accepted) / (r * self._draft_s() + step_s(r + prefill_tokens + r * self._verified))
         return spec / plain
 
     def budget_wait(self, *, num_requests: int, sps_table: np.ndarray, prefill_tokens: int = 0) -> int:
@@ -91,16 +85,13 @@ class DraftGate:
         time (module docstring), from the running means; 0 before any drafted round or without a budget."""
         if self._verified is None or num_requests == 0 or self.probe_budget is None:
             return 0
-        sps = np.asarray(sps_table, dtype=np.float64)  # [B_max] SPS(B) at index B-1
-
-        def step_s(batch: float) -> float:
-            return 1.0 / sps[min(max(int(round(batch)), 1), len(sps)) - 1]
-
-        r = num_requests
-        t_d = self._t_d if self.draft_s_per_request is None else self.draft_s_per_request
+        r, step_s = num_requests, _step_seconds(sps_table)
         plain = step_s(r + prefill_tokens)
-        cost = r * t_d + step_s(r + prefill_tokens + r * self._verified) - (1.0 + self._accepted) * plain
+        cost = r * self._draft_s() + step_s(r + prefill_tokens + r * self._verified) - (1.0 + self._accepted) * plain
         return max(0, math.ceil(cost / (self.probe_budget * plain)))
+
+    def _draft_s(self) -> float:  # t_d: fixed, or the running mean
+        return self._t_d if self.draft_s_per_request is None else self.draft_s_per_request
 
     def should_draft(self, *, num_requests: int, sps_table: np.ndarray | None, prefill_tokens: int = 0) -> bool:
         if sps_table is None or num_requests == 0:
@@ -130,6 +121,17 @@ class DraftGate:
         self._t_d = (1 - a) * self._t_d + a * new[0]
         self._verified = (1 - a) * self._verified + a * new[1]
         self._accepted = (1 - a) * self._accepted + a * new[2]
+
+
+def _step_seconds(sps_table: np.ndarray):
+    """B -> T_v(B) = 1 / SPS(B) from the table (SPS(B) at index B - 1); its last entry stands in
+    for batches beyond it."""
+    sps = np.asarray(sps_table, dtype=np.float64)  # [B_max]
+
+    def step_s(batch: float) -> float:
+        return 1.0 / sps[min(max(int(round(batch)), 1), len(sps)) - 1]
+
+    return step_s
 
 
 __all__ = ["DraftGate"]
