@@ -32,7 +32,14 @@ import torch
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.model.target_runtime import TargetRuntime
 from dspark.profiling.sps import SPSProfile
-from dspark.sampling import DraftProbs, RejectionBatch, RejectionResult, draw_rejection_randoms, rejection_sample
+from dspark.sampling import (
+    DraftProbs,
+    RejectionBatch,
+    RejectionResult,
+    draw_rejection_randoms,
+    draw_uniforms,
+    rejection_sample,
+)
 from dspark.sampling.logprobs import MAX_LOGPROBS, NOT_ASKED, RoundLogprobs, round_logprobs
 from dspark.sampling.params import SamplingParams
 from dspark.serving_config import SAMPLER_BACKENDS
@@ -233,9 +240,13 @@ class LocalVerifier(Verifier):
         try:
             # Greedy requests consume no randomness; None keeps their seeded streams untouched.
             generators = [None if s.params.is_greedy else s.generator for s in states]
-            uniforms, exp_noise = draw_rejection_randoms(batch.num_draft_tokens, self.vocab_size, generators,
-                                                         device=self.device, greedy=[s.params.is_greedy for s in states])
+            greedy = [s.params.is_greedy for s in states]
             device = self.device
+            if device.type == "cpu":  # exponentials drawn by the sampler, on each request's support only
+                uniforms, exp_noise = draw_uniforms(batch.num_draft_tokens, generators, device=device, greedy=greedy), None
+            else:  # a whole vocabulary each, drawn here: finding supports would sync the host with the device
+                uniforms, exp_noise = draw_rejection_randoms(batch.num_draft_tokens, self.vocab_size, generators,
+                                                             device=device, greedy=greedy)
             draft_probs = batch.draft_probs
             result = rejection_sample(RejectionBatch(
                 draft_token_ids=batch.draft_token_ids.to(device, non_blocking=True),
@@ -245,6 +256,7 @@ class LocalVerifier(Verifier):
                 params=[s.params for s in states],
                 uniforms=uniforms,
                 exp_noise=exp_noise,
+                noise_generators=generators,
             ), backend=self.sampler_backend)
             if device.type != "cpu":  # the round's result is host data, as over gRPC: one copy back
                 result = RejectionResult(output_token_ids=result.output_token_ids.cpu(), num_accepted=result.num_accepted.cpu())

@@ -7,8 +7,11 @@ from dspark.sampling.rejection_sampler import (
     DraftProbs,
     RejectionBatch,
     RejectionResult,
+    draw_exp_noise,
     draw_rejection_randoms,
+    draw_uniforms,
     rejection_sample,
+    rejection_sample_batched,
     rejection_sample_reference,
 )
 
@@ -17,8 +20,11 @@ __all__ = [
     "RejectionBatch",
     "RejectionResult",
     "SamplingParams",
+    "draw_exp_noise",
     "draw_rejection_randoms",
+    "draw_uniforms",
     "logits_to_probs",
     "rejection_sample",
+    "rejection_sample_batched",
     "rejection_sample_reference",
 ]

@@ -18,13 +18,15 @@ from dspark.sampling import (
     RejectionBatch,
     RejectionResult,
     SamplingParams,
+    draw_exp_noise,
     draw_rejection_randoms,
+    draw_uniforms,
     logits_to_probs,
     rejection_sample,
+    rejection_sample_batched,
 )
-
-from dspark.sampling.rejection_sampler import ROW_SUM_TOL, prepare_batch, rejection_sample_reference
-from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, rounding_vocab
+from dspark.sampling.rejection_sampler import ROW_SUM_TOL, noise_support, prepare_batch, rejection_sample_reference
+from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, make_mixed_batch, rounding_vocab
 
 NEG_INF = float("-inf")
 
@@ -268,8 +270,10 @@ class ChainProblem:
     sparse=True the drafter samples from its top-3 truncation (plus a padding entry).
     """
 
-    def __init__(self, seed: int = 0, *, sparse: bool = False):
+    def __init__(self, seed: int = 0, *, sparse: bool = False, top_k: int = 0, noise_on_support: bool = False):
         g = torch.Generator().manual_seed(seed)
+        self.top_k = top_k  # the target's own top-k (0 = none): rows with zeros, so a support smaller than V
+        self.noise_on_support = noise_on_support  # exp_noise None: the sampler draws it where p_t > 0
         self.p1, self.p2, self.p3 = _random_rows(g), _random_rows(g, V), _random_rows(g)  # [V], [V, V], [V]
         q1, q2 = _random_rows(g), _random_rows(g, V)
         q1[0] = 0.0
@@ -308,9 +312,10 @@ class ChainProblem:
             num_draft_tokens=lens,
             target_logits=target_rows.log(),
             draft_probs=self._draft_probs(draft_rows),
-            params=[SamplingParams(temperature=1.0)] * n,
+            params=[SamplingParams(temperature=1.0, top_k=self.top_k)] * n,
             uniforms=torch.rand(draft_ids.shape[0], generator=self.gen),
-            exp_noise=torch.empty(n, V).exponential_(generator=self.gen),
+            exp_noise=None if self.noise_on_support else torch.empty(n, V).exponential_(generator=self.gen),
+            noise_generators=[self.gen] * n if self.noise_on_support else None,
         )
 
     def generate_two_tokens(self, sampler, n: int = N_ROUNDS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -344,24 +349,29 @@ class ChainProblem:
             bonus.append(res2.output_token_ids[with_draft & (res2.num_accepted == 1), 1])
         return y1, y2, torch.cat(bonus)
 
+    def target(self, rows: torch.Tensor) -> torch.Tensor:  # [..., V] what the sampler must emit from
+        return logits_to_probs(rows.log(), temperature=1.0, top_k=self.top_k)
+
     def joint(self) -> torch.Tensor:  # [V * V] p(y1, y2), float64
-        return (self.p1[:, None] * self.p2).flatten().double()
+        return (self.target(self.p1)[:, None] * self.target(self.p2)).flatten().double()
 
 
 def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(samples, minlength=probs.numel()).double()
     expected = probs.double() / probs.double().sum() * counts.sum()
-    assert expected.min() >= 5, "too few samples per cell for a chi-square test"
-    return float(chisquare(counts.numpy(), expected.numpy()).pvalue)
+    cells = expected > 0
+    assert (counts[~cells] == 0).all(), "a token without target mass was emitted"
+    assert expected[cells].min() >= 5, "too few samples per cell for a chi-square test"
+    return float(chisquare(counts[cells].numpy(), expected[cells].numpy()).pvalue)
 
 
 def _lossless_pvalues(problem: ChainProblem, sampler) -> dict[str, float]:
     y1, y2, bonus = problem.generate_two_tokens(sampler)
     assert bonus.numel() > 2000  # the bonus path was really exercised
     return {
-        "first token ~ p_t1": _chi2_pvalue(y1, problem.p1),
+        "first token ~ p_t1": _chi2_pvalue(y1, problem.target(problem.p1)),
         "(y1, y2) ~ p_t1 p_t2": _chi2_pvalue(y1 * V + y2, problem.joint()),
-        "bonus ~ p_t3": _chi2_pvalue(bonus, problem.p3),
+        "bonus ~ p_t3": _chi2_pvalue(bonus, problem.target(problem.p3)),
     }
 
 
@@ -372,6 +382,31 @@ def test_emitted_tokens_follow_the_target_distribution_not_the_drafts(sparse):
     assert tv > 0.15  # the drafter really is different
     pvalues = _lossless_pvalues(problem, rejection_sample)
     assert all(p > P_MIN for p in pvalues.values()), pvalues
+
+
+@pytest.mark.parametrize("top_k", [0, 4], ids=["full-support", "target-top-4"])
+def test_noise_drawn_on_the_support_keeps_the_emitted_tokens_on_the_target_distribution(top_k):
+    """The verifier's CPU path: no exp_noise in the batch, the sampler draws Exp(1) only where a
+    request's rows have p_t > 0 (with the target's top-k, 4 of 6 tokens)."""
+    problem = ChainProblem(seed=0, top_k=top_k, noise_on_support=True)
+    pvalues = _lossless_pvalues(problem, rejection_sample)
+    assert all(p > P_MIN for p in pvalues.values()), pvalues
+
+
+def test_the_support_noise_test_catches_a_sampler_that_races_on_the_wrong_support():
+    """Power check for the test above: each request's likeliest token left out of the support it
+    draws noise on (it races with E = 1 instead of an Exp(1) draw)."""
+    def wrong(batch: RejectionBatch) -> RejectionResult:
+        prep = prepare_batch(replace(batch, exp_noise=torch.ones(batch.num_requests, batch.vocab_size)))
+        num_requests = prep.is_greedy.shape[0]
+        anchor_rows = prep.cu_num_draft[:-1] + torch.arange(num_requests)  # [num_requests]
+        support = noise_support(prep)
+        support[torch.arange(num_requests), prep.target[anchor_rows].argmax(-1)] = False
+        noise = draw_exp_noise(batch.vocab_size, batch.noise_generators, device="cpu", support=support)
+        return rejection_sample_batched(replace(prep, exp_noise=noise))
+
+    pvalues = _lossless_pvalues(ChainProblem(seed=0, top_k=4, noise_on_support=True), wrong)
+    assert min(pvalues.values()) < P_WRONG, pvalues
 
 
 # Deliberately wrong samplers: the test above must have the power to catch each of them.
@@ -449,6 +484,88 @@ def test_greedy_requests_draw_no_exponentials_and_leave_the_others_streams_alone
     assert torch.equal(state, torch.get_rng_state())  # an all-greedy round draws nothing at all
     with pytest.raises(ValueError, match="one greedy flag per request"):
         draw_rejection_randoms(lens, vocab, [None, None], greedy=[True])
+
+
+def test_noise_on_a_support_is_each_seeded_requests_own_stream_and_ones_elsewhere():
+    vocab = 9
+    support = torch.zeros(3, vocab, dtype=torch.bool)
+    support[0, [1, 4]] = True
+    support[1, [0, 2, 3, 8]] = True
+    support[2, 5] = True
+    alone = torch.Generator().manual_seed(42)
+    torch.rand(3, generator=alone)  # its uniforms come first
+    expected = torch.empty(4).exponential_(generator=alone)
+    lens = torch.tensor([2, 3, 0])
+    generators = [None, torch.Generator().manual_seed(42), torch.Generator().manual_seed(1)]
+    u = draw_uniforms(lens, generators)
+    e = draw_exp_noise(vocab, generators, device="cpu", support=support)
+    assert torch.equal(e[1, [0, 2, 3, 8]], expected)
+    assert torch.equal(e[~support], torch.ones(int((~support).sum())))
+    assert (e[support] >= 0).all() and u.shape == (5,)
+    u_old, e_old = draw_rejection_randoms(lens, vocab, [None, torch.Generator().manual_seed(42), None])
+    assert torch.equal(u_old[2:], u[2:])  # the uniforms are the stream draw_rejection_randoms gives
+    with pytest.raises(ValueError, match="support must be"):
+        draw_exp_noise(vocab, generators, device="cpu", support=support[:2])
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_the_batched_torch_path_emits_exactly_the_references_tokens(sparse):
+    """Same batch, same random numbers: token for token, count for count (many random rounds of
+    greedy, plain, top-k and top-p requests, some without drafts)."""
+    for seed in range(60):
+        prep = prepare_batch(make_mixed_batch(seed, num_requests=1 + seed % 9, sparse=sparse))
+        ref, fast = rejection_sample_reference(prep), rejection_sample_batched(prep)
+        assert torch.equal(fast.output_token_ids, ref.output_token_ids), seed
+        assert torch.equal(fast.num_accepted, ref.num_accepted), seed
+
+
+def test_the_batched_torch_path_matches_the_reference_on_the_edge_cases(batch_of):
+    """An all-zero residual (its fallback), zero noise (infinite scores: lowest id wins), ties."""
+    vocab = rounding_vocab(40)
+    p_t = logits_to_probs(torch.zeros(1, vocab), temperature=1.0)
+    all_zero_residual = (SAMPLED, [3], torch.zeros(2, vocab), p_t.clone())
+    tie = (GREEDY, [2, 5], torch.tensor([[0.0] * 2 + [1.0] * (vocab - 2)] * 3), None)
+    noise = torch.ones(3, vocab)
+    noise[0, 7] = noise[0, 9] = 0.0
+    for requests in ([all_zero_residual, tie], [tie, all_zero_residual, (SAMPLED, [], torch.zeros(1, vocab), None)]):
+        batch = batch_of(requests, uniforms=torch.full((3,), LAST_UNIFORM_BELOW_ONE), exp_noise=noise[: len(requests)])
+        prep = prepare_batch(batch)
+        ref, fast = rejection_sample_reference(prep), rejection_sample_batched(prep)
+        assert torch.equal(fast.output_token_ids, ref.output_token_ids)
+        assert torch.equal(fast.num_accepted, ref.num_accepted)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_noise_outside_the_support_is_never_read(sparse):
+    """The claim behind drawing noise on the support only (docs/method.md §1): whatever sits
+    outside it, even zeros (infinite scores if they were read), the tokens are the same."""
+    for seed in range(30):
+        batch = make_mixed_batch(seed, sparse=sparse)
+        prep = prepare_batch(batch)
+        support = noise_support(prep)
+        on_support = torch.where(support, prep.exp_noise, 1.0)
+        poisoned = torch.where(support, prep.exp_noise, 0.0)
+        a = rejection_sample_batched(replace(prep, exp_noise=on_support))
+        b = rejection_sample_batched(replace(prep, exp_noise=poisoned))
+        assert torch.equal(a.output_token_ids, b.output_token_ids), seed
+        assert torch.equal(a.output_token_ids, rejection_sample_reference(replace(prep, exp_noise=poisoned)).output_token_ids)
+
+
+def test_a_batch_without_noise_draws_it_on_each_requests_support():
+    """exp_noise None: the sampler draws after its uniforms, on noise_support, from each
+    request's generator; the same as drawing it by hand with copies of those generators."""
+    for seed in range(10):
+        batch = make_mixed_batch(seed)
+        gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(batch.num_requests)]
+        copies = [torch.Generator().manual_seed(seed * 100 + r) for r in range(batch.num_requests)]
+        lazy = rejection_sample(replace(batch, exp_noise=None, noise_generators=gens))
+        prep = prepare_batch(batch)
+        noise = draw_exp_noise(batch.vocab_size, copies, device="cpu", greedy=prep.is_greedy.tolist(),
+                               support=noise_support(prep))
+        by_hand = rejection_sample_reference(replace(prep, exp_noise=noise))
+        assert torch.equal(lazy.output_token_ids, by_hand.output_token_ids), seed
+    with pytest.raises(ValueError, match="noise_generators must hold one generator"):
+        rejection_sample(replace(make_mixed_batch(0), exp_noise=None))
 
 
 # ---------------------------------------------------------------------------------------------
