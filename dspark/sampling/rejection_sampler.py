@@ -459,8 +459,9 @@ def prepare_batch(batch: RejectionBatch) -> PreparedBatch:
         max_num_draft=max(lens, default=0),
     )
     if prep.exp_noise is None:  # drawn now that the target side says where each request's race can be won
-        noise = draw_exp_noise(vocab, batch.noise_generators, device=device, greedy=[p.is_greedy for p in batch.params],
-                               support=noise_support(prep))
+        greedy = [p.is_greedy for p in batch.params]
+        noise = draw_exp_noise(vocab, batch.noise_generators, device=device, greedy=greedy,
+                               support=None if all(greedy) else noise_support(prep))
         prep = replace(prep, exp_noise=noise)
     return prep
 
