@@ -413,19 +413,20 @@ def _target_rows(batch: RejectionBatch, lens: list[int]) -> torch.Tensor:
     logits_to_probs runs once per distinct (temperature, top_k, top_p), not once per request.
     """
     logits = batch.target_logits
-    target = logits.float()  # rows of greedy requests stay raw logits
-    row_request = torch.repeat_interleave(
-        torch.arange(len(lens)), torch.tensor(lens) + 1, output_size=logits.shape[0]
-    )  # [num_rows] host: request of each target row
     groups: dict[tuple[float, int, float], list[int]] = {}
     for r, p in enumerate(batch.params):
         if not p.is_greedy:
             groups.setdefault((p.temperature, p.top_k, p.top_p), []).append(r)
+    if len(groups) == 1 and len(next(iter(groups.values()))) == len(lens):  # one setting for the whole batch
+        (temperature, top_k, top_p), = groups
+        return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    target = logits.float()  # rows of greedy requests stay raw logits
     if target is logits and groups:
         target = target.clone()  # the index_copy_ below must not write into the caller's logits
+    row_request = torch.repeat_interleave(
+        torch.arange(len(lens)), torch.tensor(lens) + 1, output_size=logits.shape[0]
+    )  # [num_rows] host: request of each target row
     for (temperature, top_k, top_p), reqs in groups.items():
-        if len(reqs) == len(lens):  # one setting for the whole batch: no row gathering
-            return logits_to_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p)
         rows = torch.isin(row_request, torch.tensor(reqs)).nonzero().squeeze(1).to(logits.device)  # [n_rows_in_group]
         probs = logits_to_probs(logits.index_select(0, rows), temperature=temperature, top_k=top_k, top_p=top_p)
         target.index_copy_(0, rows, probs)
@@ -574,9 +575,12 @@ def rejection_sample_batched(prep: PreparedBatch) -> RejectionResult:
             rejected = num_accepted[sampled] < lens[sampled]  # [num_sampled]
             d_row = prep.draft_probs[(first_draft[sampled] + num_accepted[sampled]).clamp_max(max(num_drafts - 1, 0))]
             weights = torch.where(rejected[:, None], (p_row - d_row).clamp_min(0.0), p_row)  # [num_sampled, vocab]
-        empty = ~(weights > 0).any(-1, keepdim=True)  # [num_sampled, 1] an all-zero residual: draw from p_t
-        weights = torch.where(empty, p_row, weights)
-        scores = torch.where(weights > 0, weights / noise, -1.0)
+        positive = weights > 0  # [num_sampled, vocab]
+        empty = ~positive.any(-1, keepdim=True)  # [num_sampled, 1] an all-zero residual: draw from p_t
+        if bool(empty.any()):
+            weights = torch.where(empty, p_row, weights)
+            positive = weights > 0
+        scores = (weights / noise).masked_fill_(~positive, -1.0)  # the reference's where(w > 0, w / E, -1)
         final[sampled] = scores.argmax(-1)
 
     out = torch.full((num_requests, prep.max_num_draft + 1), -1, dtype=torch.int64, device=device)

@@ -502,7 +502,7 @@ def test_noise_on_a_support_is_each_seeded_requests_own_stream_and_ones_elsewher
     assert torch.equal(e[1, [0, 2, 3, 8]], expected)
     assert torch.equal(e[~support], torch.ones(int((~support).sum())))
     assert (e[support] >= 0).all() and u.shape == (5,)
-    u_old, e_old = draw_rejection_randoms(lens, vocab, [None, torch.Generator().manual_seed(42), None])
+    u_old, _ = draw_rejection_randoms(lens, vocab, [None, torch.Generator().manual_seed(42), None])
     assert torch.equal(u_old[2:], u[2:])  # the uniforms are the stream draw_rejection_randoms gives
     with pytest.raises(ValueError, match="support must be"):
         draw_exp_noise(vocab, generators, device="cpu", support=support[:2])
