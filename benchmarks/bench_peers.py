@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -67,7 +68,37 @@ def load_llama_cpp(gguf: Path, *, threads: int):
         return None, "llama-cpp-python is not installed (pip install llama-cpp-python: builds from source, ~12 min on 2 cores)"
     if not gguf.is_file():
         return None, f"no GGUF at {gguf} (bash scripts/make_gguf.sh writes a bf16 one of the default model)"
+    why_not = llama_cpp_crash(gguf, threads=threads)
+    if why_not is not None:
+        return None, why_not
     return Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False), None
+
+
+# Loads the GGUF and decodes one token, as load_llama_cpp and run_llama do.
+_LLAMA_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), n_threads_batch=int(sys.argv[2]), verbose=False)
+next(iter(llm.generate([1, 2, 3], top_k=1, temp=0.0)))
+"""
+
+
+def llama_cpp_crash(gguf: Path, *, threads: int, timeout_s: float = 300) -> str | None:
+    """None when llama.cpp loads `gguf` and decodes a token in a child process, else why not.
+
+    Why a child: a crash inside llama.cpp takes the whole process with it (llama-cpp-python
+    0.3.36 segfaults on the default model's own Q4_1 GGUF on an AMX Xeon), and would end the
+    run with no table at all instead of one missing row."""
+    try:
+        child = subprocess.run([sys.executable, "-c", _LLAMA_PROBE, str(gguf), str(threads)], capture_output=True,
+                               text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return f"llama.cpp did not load {gguf.name} and decode a token within {timeout_s:.0f} s in a child process"
+    if child.returncode == 0:
+        return None
+    how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit status {child.returncode}"
+    last = child.stderr.strip().splitlines()[-1:] or ["no message"]
+    return f"llama.cpp failed on {gguf.name} in a child process ({how}: {last[0][:200]})"
 
 
 def run_llama(llm, prompt_ids: list[list[int]], max_tokens: int, temperature: float = 0.0) -> tuple[float, int]:
