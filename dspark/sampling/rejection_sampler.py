@@ -40,6 +40,10 @@ BACKENDS = ("torch", "triton")
 # to 1 within 4e-6 at V = 49,152 and 2e-5 at V = 151,936 (the normaliser's rounding; top-p
 # truncations within 4e-6, top-k ones within 3e-7): 1e-4 leaves a margin of five.
 ROW_SUM_TOL = 1e-4
+# The race runs on gathered support columns while a support is at most 1/8 of the vocabulary
+# (top-p / top-k rows: a few dozen tokens); wider ones (temperature alone) race on whole rows,
+# where gathering would only add passes. Either way the same draws decide the same tokens.
+COMPACT_RACE_FRACTION = 8
 
 
 @dataclass
@@ -122,8 +126,73 @@ class PreparedBatch:
     is_greedy: torch.Tensor  # [num_requests] bool
     draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab] fp32 dense p_d, rows renormalised; None if unused
     uniforms: torch.Tensor  # [num_draft_tokens] fp32
-    exp_noise: torch.Tensor | None  # [num_requests, vocab] fp32; None until draw_exp_noise fills it
+    exp_noise: torch.Tensor | None  # [num_requests, vocab] fp32; None when `race` holds the noise (or until drawn)
     max_num_draft: int  # max_r l_r, fixes the output width
+    race: "RaceSupport | None" = None  # the noise on each request's support only (prepare_batch draws it so)
+
+
+@dataclass
+class RaceSupport:
+    """Each request's exponentials on its race support only (noise_support), compactly.
+
+    Row r lists its support's token ids in ascending order, then padding; `noise` holds the
+    Exp(1) draws in the same places (1 on padding and in greedy requests' rows, which have no
+    support). `dense_noise` is the same noise as a [num_requests, vocab] table with 1 outside
+    the support: what draw_exp_noise(support=...) returns, from the same streams.
+    """
+
+    ids: torch.Tensor  # [num_requests, max_support] int64, ascending within a row's valid prefix; 0 on padding
+    valid: torch.Tensor  # [num_requests, max_support] bool, True on the row's first |support_r| entries
+    noise: torch.Tensor  # [num_requests, max_support] fp32
+
+    def dense_noise(self, vocab: int) -> torch.Tensor:  # [num_requests, vocab] fp32
+        dense = torch.ones(self.ids.shape[0], vocab, device=self.noise.device)
+        rows = torch.arange(self.ids.shape[0], device=self.ids.device).unsqueeze(1).expand_as(self.ids)  # [R, S]
+        dense[rows[self.valid], self.ids[self.valid]] = self.noise[self.valid]
+        return dense
+
+
+def support_ids(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[num_requests, vocab] bool -> (ids, valid) [num_requests, max_support]: each row's True
+    columns in ascending order, then padding (id 0, valid False). One nonzero over the whole
+    table: its indices come row-major, which is the order the ids are written in."""
+    num_requests, vocab = support.shape
+    flat = support.reshape(-1).nonzero().squeeze(1)  # [total] row-major positions of the True entries
+    counts = torch.bincount(flat // vocab, minlength=num_requests)  # [R] (not support.sum(1): an int64 copy of the table)
+    width = int(counts.max()) if num_requests else 0
+    valid = torch.arange(width, device=support.device).unsqueeze(0) < counts.unsqueeze(1)  # [R, S]
+    ids = torch.zeros(num_requests, width, dtype=torch.int64, device=support.device)
+    ids[valid] = flat % vocab
+    return ids, valid
+
+
+def draw_race_noise(
+    support: torch.Tensor,  # [num_requests, vocab] bool
+    generators: list[torch.Generator | None],  # [num_requests]
+    *,
+    greedy: list[bool] | None = None,  # [num_requests] requests that consume no randomness
+) -> RaceSupport:
+    """draw_exp_noise on a support, kept compact: the same draws from the same streams (request
+    r's support in id order from its own generator; requests without one share a batched draw
+    from the default generator in request order, then id order)."""
+    skip = _draw_plan(support.shape[0], generators, greedy)
+    if any(skip):
+        support = support & ~torch.tensor(skip, dtype=torch.bool, device=support.device).unsqueeze(1)
+    ids, valid = support_ids(support)
+    device = support.device
+    noise = torch.ones(ids.shape, device=device)
+    shared = [r for r, gen in enumerate(generators) if gen is None and not skip[r]]
+    if shared:
+        rows = torch.tensor(shared, device=device)
+        mask = valid.index_select(0, rows)  # [shared, S]
+        block = torch.ones(mask.shape, device=device)
+        block[mask] = torch.empty(int(mask.sum()), device=device).exponential_()  # row-major: request order, then id order
+        noise[rows] = block
+    counts = valid.sum(1).tolist()
+    for r, gen in enumerate(generators):
+        if gen is not None and not skip[r] and counts[r]:
+            noise[r, : counts[r]] = torch.empty(counts[r], device=gen.device).exponential_(generator=gen).to(device)
+    return RaceSupport(ids=ids, valid=valid, noise=noise)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,26 +263,17 @@ def draw_exp_noise(
         return noise
     if support is not None and tuple(support.shape) != (num_requests, vocab):
         raise ValueError(f"support must be [num_requests, vocab] = {[num_requests, vocab]}, got {list(support.shape)}")
+    if support is not None:
+        return draw_race_noise(support.to(device), generators, greedy=greedy).dense_noise(vocab)
     shared = [r for r, gen in enumerate(generators) if gen is None and not skip[r]]
-    if shared and support is None:
+    if shared:
         if len(shared) == num_requests:
             noise.exponential_()
         else:
             noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
-    elif shared:
-        rows = torch.tensor(shared, device=device)
-        mask = support.index_select(0, rows)  # [shared, vocab]
-        block = torch.ones(len(shared), vocab, device=device)
-        block[mask] = torch.empty(int(mask.sum()), device=device).exponential_()  # row-major: request order, then id order
-        noise[rows] = block
     for r, gen in enumerate(generators):
-        if gen is None or skip[r]:
-            continue
-        if support is None:
+        if gen is not None and not skip[r]:
             noise[r] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
-        else:
-            ids = support[r].nonzero().squeeze(1)  # [support size] ascending
-            noise[r, ids] = torch.empty(ids.shape[0], device=gen.device).exponential_(generator=gen).to(device)
     return noise
 
 
@@ -247,7 +307,10 @@ def noise_support(prep: "PreparedBatch") -> torch.Tensor:  # [num_requests, voca
                                               output_size=positive.shape[0])  # [num_rows]
         support = torch.zeros(num_requests, positive.shape[1], dtype=torch.int32, device=positive.device)
         support = support.index_add_(0, row_request, positive.to(torch.int32)) > 0
-    return support & ~prep.is_greedy[:, None]
+    greedy_rows = prep.is_greedy.nonzero().squeeze(1)  # [num_greedy]; rows of raw logits, not p_t
+    if greedy_rows.numel():
+        support[greedy_rows] = False  # a few rows written, not a pass over the whole table
+    return support
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +385,12 @@ def _validate_shapes(batch: RejectionBatch) -> list[int]:
     return lens
 
 
+def _has_nan(t: torch.Tensor) -> torch.Tensor:  # [] bool
+    """Whether t holds a NaN: max propagates NaN (and +inf, -inf alone never make one), one read
+    pass without the [rows, vocab] bool table isnan().any() writes (~7x faster at 64 x 49,152)."""
+    return torch.isnan(t.amax()) if t.numel() else torch.zeros((), dtype=torch.bool, device=t.device)
+
+
 def _validate_values(batch: RejectionBatch, is_greedy: torch.Tensor, target: torch.Tensor) -> None:
     """Value checks, gathered as flags on the device and read with ONE host sync.
 
@@ -335,9 +404,9 @@ def _validate_values(batch: RejectionBatch, is_greedy: torch.Tensor, target: tor
             ((ids >= 0) & (ids < vocab)).all(),
             lambda: f"draft_token_ids must be in [0, {vocab}), got values in [{int(ids.min())}, {int(ids.max())}]",
         ),
-        (~torch.isnan(logits).any(), lambda: "target_logits contain NaN"),
+        (~_has_nan(logits), lambda: "target_logits contain NaN"),
         (
-            ~torch.isnan(target).any(),
+            ~_has_nan(target),
             lambda: "target probabilities are NaN: a sampled request has a target logits row with no finite "
             "entry (all -inf or +inf), or a temperature so small that logits / temperature overflow",
         ),
@@ -461,10 +530,21 @@ def prepare_batch(batch: RejectionBatch) -> PreparedBatch:
     )
     if prep.exp_noise is None:  # drawn now that the target side says where each request's race can be won
         greedy = [p.is_greedy for p in batch.params]
-        noise = draw_exp_noise(vocab, batch.noise_generators, device=device, greedy=greedy,
-                               support=None if all(greedy) else noise_support(prep))
-        prep = replace(prep, exp_noise=noise)
+        support = torch.zeros(len(greedy), vocab, dtype=torch.bool, device=device) if all(greedy) else noise_support(prep)
+        race = draw_race_noise(support, batch.noise_generators, greedy=greedy)
+        if race.ids.shape[1] > vocab // COMPACT_RACE_FRACTION:  # a wide support (no top-p / top-k): race on whole rows
+            prep = replace(prep, exp_noise=race.dense_noise(vocab))
+        else:
+            prep = replace(prep, race=race)
     return prep
+
+
+def dense_exp_noise(prep: PreparedBatch) -> torch.Tensor:  # [num_requests, vocab] fp32
+    """The round's exponentials as a whole table (the reference and the Triton kernel read it)."""
+    if prep.exp_noise is not None:
+        return prep.exp_noise
+    assert prep.race is not None, "prepare_batch leaves either exp_noise or race set"
+    return prep.race.dense_noise(prep.target.shape[1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,6 +579,7 @@ def rejection_sample_reference(prep: PreparedBatch) -> RejectionResult:
     out = torch.full((num_requests, prep.max_num_draft + 1), -1, dtype=torch.int64, device=device)
     num_accepted = torch.zeros(num_requests, dtype=torch.int64, device=device)
     cu = prep.cu_num_draft.tolist()
+    exp_noise = dense_exp_noise(prep)  # [num_requests, vocab]
     for r in range(num_requests):
         start, n = cu[r], cu[r + 1] - cu[r]
         row0 = start + r  # target row of the anchor's query position
@@ -521,7 +602,7 @@ def rejection_sample_reference(prep: PreparedBatch) -> RejectionResult:
         num_accepted[r] = k
         p_t_row = prep.target[row0 + k]
         weights = (p_t_row - prep.draft_probs[start + k]).clamp_min(0.0) if k < n else p_t_row
-        out[r, k] = exponential_race(weights, p_t_row, prep.exp_noise[r])
+        out[r, k] = exponential_race(weights, p_t_row, exp_noise[r])
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted)
 
 
@@ -567,21 +648,35 @@ def rejection_sample_batched(prep: PreparedBatch) -> RejectionResult:
         final = torch.where(prep.is_greedy, best[final_row], final)
     sampled = (~prep.is_greedy).nonzero().squeeze(1)  # [num_sampled]
     if sampled.numel():
-        every_row = sampled.numel() == num_requests and target.shape[0] == num_requests  # plain decoding: no gathers
-        p_row = target if every_row else target[final_row[sampled]]  # [num_sampled, vocab]
-        noise = prep.exp_noise if every_row else prep.exp_noise[sampled]  # [num_sampled, vocab]
+        # The race's columns: each request's support (ascending ids, so argmax's lowest-position
+        # ties are the lowest ids), or whole rows. Off the support every weight is 0 in the
+        # reference too (noise_support), so it scores -1 there and never wins.
+        race = prep.race
+        every_row = race is None and sampled.numel() == num_requests and target.shape[0] == num_requests  # plain decoding
+        d_index = (first_draft[sampled] + num_accepted[sampled]).clamp_max(max(num_drafts - 1, 0))  # [num_sampled]
+        if race is not None:
+            cols = race.ids[sampled]  # [num_sampled, S]
+            on_support = race.valid[sampled]  # [num_sampled, S]
+            noise = race.noise[sampled]  # [num_sampled, S]
+            p_row = target[final_row[sampled].unsqueeze(1), cols]  # [num_sampled, S]
+            d_row = None if prep.draft_probs is None else prep.draft_probs[d_index.unsqueeze(1), cols]
+        else:
+            cols = on_support = None
+            p_row = target if every_row else target[final_row[sampled]]  # [num_sampled, vocab]
+            noise = prep.exp_noise if every_row else prep.exp_noise[sampled]  # [num_sampled, vocab]
+            d_row = None if prep.draft_probs is None else prep.draft_probs[d_index]
         weights = p_row
-        if prep.draft_probs is not None:
+        if d_row is not None:
             rejected = num_accepted[sampled] < lens[sampled]  # [num_sampled]
-            d_row = prep.draft_probs[(first_draft[sampled] + num_accepted[sampled]).clamp_max(max(num_drafts - 1, 0))]
-            weights = torch.where(rejected[:, None], (p_row - d_row).clamp_min(0.0), p_row)  # [num_sampled, vocab]
-        positive = weights > 0  # [num_sampled, vocab]
+            weights = torch.where(rejected[:, None], (p_row - d_row).clamp_min(0.0), p_row)  # [num_sampled, S or vocab]
+        positive = weights > 0 if on_support is None else (weights > 0) & on_support
         empty = ~positive.any(-1, keepdim=True)  # [num_sampled, 1] an all-zero residual: draw from p_t
         if bool(empty.any()):
             weights = torch.where(empty, p_row, weights)
-            positive = weights > 0
+            positive = weights > 0 if on_support is None else (weights > 0) & on_support
         scores = (weights / noise).masked_fill_(~positive, -1.0)  # the reference's where(w > 0, w / E, -1)
-        final[sampled] = scores.argmax(-1)
+        winner = scores.argmax(-1)  # [num_sampled]
+        final[sampled] = winner if cols is None else cols.gather(1, winner.unsqueeze(1)).squeeze(1)
 
     out = torch.full((num_requests, prep.max_num_draft + 1), -1, dtype=torch.int64, device=device)
     kept = k < num_accepted[token_request]  # [num_drafts]
@@ -617,7 +712,7 @@ def rejection_sample(batch: RejectionBatch, *, backend: str = "torch") -> Reject
         is_greedy=prep.is_greedy,
         draft_probs=prep.draft_probs,
         uniforms=prep.uniforms,
-        exp_noise=prep.exp_noise,
+        exp_noise=dense_exp_noise(prep),
         max_num_draft=prep.max_num_draft,
     )
     return RejectionResult(output_token_ids=out, num_accepted=num_accepted)

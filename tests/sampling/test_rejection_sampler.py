@@ -25,7 +25,14 @@ from dspark.sampling import (
     rejection_sample,
     rejection_sample_batched,
 )
-from dspark.sampling.rejection_sampler import ROW_SUM_TOL, noise_support, prepare_batch, rejection_sample_reference
+from dspark.sampling import rejection_sampler
+from dspark.sampling.rejection_sampler import (
+    ROW_SUM_TOL,
+    dense_exp_noise,
+    noise_support,
+    prepare_batch,
+    rejection_sample_reference,
+)
 from tests.sampling.conftest import LAST_UNIFORM_BELOW_ONE, make_mixed_batch, rounding_vocab
 
 NEG_INF = float("-inf")
@@ -384,10 +391,21 @@ def test_emitted_tokens_follow_the_target_distribution_not_the_drafts(sparse):
     assert all(p > P_MIN for p in pvalues.values()), pvalues
 
 
+@pytest.fixture
+def compact_race(monkeypatch):
+    """Race on gathered support columns whatever the support's width (the tests' vocabularies
+    are too small for the 1/8 rule to pick it)."""
+    monkeypatch.setattr(rejection_sampler, "COMPACT_RACE_FRACTION", 1)
+
+
+@pytest.mark.parametrize("race", ["whole-rows", "compact"])
 @pytest.mark.parametrize("top_k", [0, 4], ids=["full-support", "target-top-4"])
-def test_noise_drawn_on_the_support_keeps_the_emitted_tokens_on_the_target_distribution(top_k):
+def test_noise_drawn_on_the_support_keeps_the_emitted_tokens_on_the_target_distribution(top_k, race, request):
     """The verifier's CPU path: no exp_noise in the batch, the sampler draws Exp(1) only where a
-    request's rows have p_t > 0 (with the target's top-k, 4 of 6 tokens)."""
+    request's rows have p_t > 0 (with the target's top-k, 4 of 6 tokens), and races either on
+    whole rows or on the gathered support columns."""
+    if race == "compact":
+        request.getfixturevalue("compact_race")
     problem = ChainProblem(seed=0, top_k=top_k, noise_on_support=True)
     pvalues = _lossless_pvalues(problem, rejection_sample)
     assert all(p > P_MIN for p in pvalues.values()), pvalues
@@ -549,6 +567,57 @@ def test_noise_outside_the_support_is_never_read(sparse):
         b = rejection_sample_batched(replace(prep, exp_noise=poisoned))
         assert torch.equal(a.output_token_ids, b.output_token_ids), seed
         assert torch.equal(a.output_token_ids, rejection_sample_reference(replace(prep, exp_noise=poisoned)).output_token_ids)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_the_compact_race_emits_exactly_the_tokens_of_the_race_on_whole_rows(sparse, compact_race):
+    """prepare_batch without exp_noise keeps each request's noise on its support only
+    (RaceSupport); the batched path then races on those columns and must emit what the
+    reference emits with the same noise spread over whole rows (1 outside the support)."""
+    raced = 0
+    for seed in range(60):
+        batch = make_mixed_batch(seed, num_requests=1 + seed % 9, sparse=sparse)
+        gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(batch.num_requests)]
+        prep = prepare_batch(replace(batch, exp_noise=None, noise_generators=gens))
+        assert prep.race is not None and prep.exp_noise is None
+        raced += int(prep.race.valid.any())
+        ref, fast = rejection_sample_reference(prep), rejection_sample_batched(prep)
+        assert torch.equal(fast.output_token_ids, ref.output_token_ids), seed
+        assert torch.equal(fast.num_accepted, ref.num_accepted), seed
+        copies = [torch.Generator().manual_seed(seed * 100 + r) for r in range(batch.num_requests)]
+        by_hand = draw_exp_noise(batch.vocab_size, copies, device="cpu", greedy=prep.is_greedy.tolist(),
+                                 support=noise_support(prep))
+        assert torch.equal(dense_exp_noise(prep), by_hand), seed  # the same draws in the same places
+    assert raced > 40  # most rounds had sampled requests
+
+
+def test_the_compact_race_never_reads_its_padding(compact_race):
+    """Padding columns hold id 0 and noise 1; give them a zero noise (an infinite score) and the
+    likeliest token's id instead, and nothing may change."""
+    for seed in range(30):
+        batch = make_mixed_batch(seed)
+        gens = [torch.Generator().manual_seed(seed * 100 + r) for r in range(batch.num_requests)]
+        prep = prepare_batch(replace(batch, exp_noise=None, noise_generators=gens))
+        race = prep.race
+        likeliest = prep.target.argmax(-1)[prep.cu_num_draft[:-1] + torch.arange(batch.num_requests)]  # [R]
+        poisoned = replace(race, ids=torch.where(race.valid, race.ids, likeliest[:, None]),
+                           noise=torch.where(race.valid, race.noise, 0.0))
+        a = rejection_sample_batched(prep)
+        b = rejection_sample_batched(replace(prep, race=poisoned))
+        assert torch.equal(a.output_token_ids, b.output_token_ids), seed
+
+
+def test_a_wide_support_races_on_whole_rows_with_the_same_draws():
+    """Temperature alone gives every token mass: past 1/8 of the vocabulary the noise is kept as
+    whole rows (gathering would only add passes), drawn from the same streams."""
+    batch = make_mixed_batch(3)
+    gens = [torch.Generator().manual_seed(r) for r in range(batch.num_requests)]
+    prep = prepare_batch(replace(batch, exp_noise=None, noise_generators=gens))
+    assert prep.race is None and prep.exp_noise is not None
+    copies = [torch.Generator().manual_seed(r) for r in range(batch.num_requests)]
+    by_hand = draw_exp_noise(batch.vocab_size, copies, device="cpu", greedy=prep.is_greedy.tolist(),
+                             support=noise_support(prep))
+    assert torch.equal(prep.exp_noise, by_hand)
 
 
 def test_a_batch_without_noise_draws_it_on_each_requests_support():
