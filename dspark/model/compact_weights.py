@@ -41,15 +41,16 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.model import int8_activations
+from dspark.model import int8_activations, int8_panels
 from dspark.model.attention import VECTOR_PRELUDE, LazyLibrary
 
 BLOCK = 32  # weights per block along K, as GGUF's Q4_1 / Q8_0
 FORMATS = ("bf16", "q8_0", "q4_1")  # the exact formats compact() finds
 # the kernel's format codes are their indices: the exact formats, then Q4_1 weights with int8
 # activations (dspark/model/int8_activations.py: the opt-in `compact-int8` numerics, not exact)
-KERNEL_FORMATS = (*FORMATS, "q4_1_x8", "q8_0_x8")
-INT8_FORMATS = ("q4_1_x8", "q8_0_x8")  # weights that take int8 activations
+# and the same int8 numerics on column panels (dspark/model/int8_panels.py: VNNI / AMX tiles)
+KERNEL_FORMATS = (*FORMATS, "q4_1_x8", "q8_0_x8", "q4_1_p16", "q8_0_p16")
+INT8_FORMATS = ("q4_1_x8", "q8_0_x8", "q4_1_p16", "q8_0_p16")  # weights that take int8 activations
 
 
 @dataclass
@@ -60,10 +61,14 @@ class CompactWeight:
     out_features: int
     in_features: int
     # bf16: [N, K] int16 (the bits); q8_0: [N, K] int8; q4_1: [N, K / 8] int32 (_pack_q4_1);
-    # q4_1_x8: [N, K / 2] uint8 (int8_activations.pack_weights); q8_0_x8: [N, K] int8 (pack_q8_weights)
+    # q4_1_x8: [N, K / 2] uint8 (int8_activations.pack_weights); q8_0_x8: [N, K] int8 (pack_q8_weights);
+    # q4_1_p16: [P, K / 32, 4, 16, 4] uint8, q8_0_p16: [P, K / 32, 8, 16, 4] int8 (int8_panels.py, P = ceil(N / 16))
     q: torch.Tensor
-    scale: torch.Tensor | None  # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16
-    offset: torch.Tensor | None  # [N, K / 32] fp32 m for q4_1(_x8), else None
+    # [N, K / 32] fp32 d (the fp16 value, exactly), None for bf16; [P, K / 32, 16] for the p16 formats
+    scale: torch.Tensor | None
+    # [N, K / 32] fp32 m for q4_1(_x8), [P, K / 32, 16] for q4_1_p16; for q8_0_p16 the int32
+    # column sums 128 · Σ q [P, K / 32, 16] (int8_panels.q8_column_sums); else None
+    offset: torch.Tensor | None
 
     @functools.cached_property
     def kernel_args(self) -> tuple[int, int, int, int]:
@@ -174,6 +179,11 @@ def decode(cw: CompactWeight) -> torch.Tensor:  # [N, K] fp32, the weights the k
         return (cw.scale.unsqueeze(2) * int8_activations.unpack_weights(cw.q).float() + cw.offset.unsqueeze(2)).view(n, k)
     if cw.format == "q8_0_x8":
         return (cw.scale.unsqueeze(2) * int8_activations.unpack_q8_weights(cw.q).float()).view(n, k)
+    if cw.format == "q4_1_p16":
+        d, m = int8_panels.unpack_scales(cw.scale, n), int8_panels.unpack_scales(cw.offset, n)
+        return (d.unsqueeze(2) * int8_panels.unpack_q4_1(cw.q, n).float() + m.unsqueeze(2)).reshape(n, k)
+    if cw.format == "q8_0_p16":
+        return (int8_panels.unpack_scales(cw.scale, n).unsqueeze(2) * int8_panels.unpack_q8_0(cw.q, n).float()).reshape(n, k)
     return (cw.scale.unsqueeze(2) * _q4_1_values(cw).float() + cw.offset.unsqueeze(2)).view(n, k)
 
 
@@ -193,13 +203,23 @@ def reference_matmul(x: torch.Tensor, cw: CompactWeight) -> torch.Tensor:
     return (xd @ decode(cw).double().t()).float()
 
 
-def with_int8_activations(cw: CompactWeight) -> CompactWeight:
+def with_int8_activations(cw: CompactWeight, *, panels: bool | None = None) -> CompactWeight:
     """The same Q4_1 or Q8_0 weights multiplied with int8 activations (int8_activations.py),
-    repacked for that kernel. A weight of another format, or a Q8_0 weight that uses -128 (the
-    kernel's sign trick cannot negate it; llama.cpp's quantiser never writes it), is returned
-    as it is (exact fp32)."""
+    repacked for that kernel: on column panels (int8_panels.py) where the CPU has AVX-512 VNNI
+    (`panels` None), else in the first kernel's layout; both give the same bits. A weight of
+    another format, or a Q8_0 weight that uses -128 (the kernels' sign trick cannot negate it;
+    llama.cpp's quantiser never writes it), is returned as it is (exact fp32)."""
     if not int8_activations_available():
         return cw
+    if panels is None:
+        panels = panels_available()
+    if panels and cw.format == "q4_1":
+        return CompactWeight("q4_1_p16", cw.out_features, cw.in_features, int8_panels.pack_q4_1(_q4_1_values(cw)),
+                             int8_panels.pack_scales(cw.scale), int8_panels.pack_scales(cw.offset))
+    if panels and cw.format == "q8_0" and not bool((cw.q == -128).any()):
+        values = cw.q.view(cw.out_features, cw.in_features // BLOCK, BLOCK)  # [N, K / 32, 32]
+        return CompactWeight("q8_0_p16", cw.out_features, cw.in_features, int8_panels.pack_q8_0(values),
+                             int8_panels.pack_scales(cw.scale), int8_panels.q8_column_sums(values))
     if cw.format == "q4_1":
         return CompactWeight("q4_1_x8", cw.out_features, cw.in_features, int8_activations.pack_weights(_q4_1_values(cw)),
                              cw.scale, cw.offset)
@@ -217,6 +237,32 @@ def int8_activations_available() -> bool:
         return False
     lib.dspark_x8_supported.restype = ctypes.c_int
     return bool(lib.dspark_x8_supported())
+
+
+def panels_available() -> bool:
+    """Whether the kernel was built with the panel GEMM (AVX-512 F, BW and VNNI)."""
+    return _panel_support() > 0
+
+
+def _panel_support() -> int:  # dspark_p16_supported(): 0 none, 1 VNNI, 2 VNNI and AMX
+    lib = load()
+    if lib is None:
+        return 0
+    lib.dspark_p16_supported.restype = ctypes.c_int
+    return int(lib.dspark_p16_supported())
+
+
+def panels_use_amx() -> bool:
+    """Whether the panel GEMM runs its AMX-tile path (from `amx_min_rows` rows on)."""
+    return _panel_support() == 2
+
+
+def set_panel_amx_min_rows(rows: int) -> int:
+    """From how many rows the panel GEMM uses AMX tiles (a speed choice only: both paths give
+    the same bits; tests force each). Returns the previous value."""
+    lib = load()
+    lib.dspark_p16_set_amx_min_rows.restype = ctypes.c_int64
+    return int(lib.dspark_p16_set_amx_min_rows(rows))
 
 
 _SOURCE = VECTOR_PRELUDE + r"""
@@ -573,10 +619,19 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const void* q, cons
 #endif
 
 }  // namespace
-""" + int8_activations.GEMM_SOURCE + r"""
+""" + int8_activations.GEMM_SOURCE + int8_panels.GEMM_SOURCE + r"""
 extern "C" {
 
 int dspark_x8_supported() { return x8::kSupported ? 1 : 0; }
+
+// 0: no panel GEMM; 1: its VNNI path; 2: VNNI and AMX tiles
+int dspark_p16_supported() { return p16::kSupported ? (p16::kAmx ? 2 : 1) : 0; }
+
+int64_t dspark_p16_set_amx_min_rows(int64_t rows) {
+  const int64_t previous = p16::amx_min_rows;
+  p16::amx_min_rows = rows;
+  return previous;
+}
 
 // one row x [K] quantised as the int8 GEMM quantises it, into out [ceil(K / 256) * 320] bytes
 // (the layout of int8_activations.py; for tests)
@@ -587,7 +642,7 @@ void dspark_x8_quantize_row(const float* x, int64_t K, uint8_t* out) {
 }
 
 // y [M, N] (row stride ldy) = x [M, K] (row stride ldx, fp32) · Wᵀ, W in `format`
-// (0 bf16, 1 q8_0, 2 q4_1, 3 q4_1 and 4 q8_0 with int8 activations; compact_weights.py): q as described there, d and mn [N, K / 32]
+// (0 bf16, 1 q8_0, 2 q4_1, 3 q4_1 and 4 q8_0 with int8 activations, 5 and 6 the same on column panels; compact_weights.py): q as described there, d and mn [N, K / 32]
 // fp32 (mn only for q4_1). K % 32 == 0. Threads split the columns.
 void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int format, const void* q,
                          const float* d, const float* mn, int64_t N, float* y, int64_t ldy, int threads) {
@@ -595,7 +650,9 @@ void dspark_compact_gemm(const float* x, int64_t ldx, int64_t M, int64_t K, int 
   else if (format == 1) DSPARK_GEMM<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
   else if (format == 2) DSPARK_GEMM<2>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
   else if (format == 3) x8::gemm<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
-  else x8::gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 4) x8::gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else if (format == 5) p16::gemm<0>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
+  else p16::gemm<1>(x, ldx, M, K, q, d, mn, N, y, ldy, threads);
 }
 
 }  // extern "C"
@@ -606,6 +663,8 @@ _SIGNATURES = {
     "dspark_compact_gemm": [_ptr, _i64, _i64, _i64, ctypes.c_int, _ptr, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int],
     "dspark_x8_supported": [],
     "dspark_x8_quantize_row": [_ptr, _i64, _ptr],
+    "dspark_p16_supported": [],
+    "dspark_p16_set_amx_min_rows": [_i64],
 }
 _LIBRARY = LazyLibrary(_SOURCE, "compact_gemm", _SIGNATURES, fallback="weights stay dense")
 # the 16-lane vector code on every CPU: the reference the AVX2 path must equal bit for bit
