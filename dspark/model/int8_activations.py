@@ -5,7 +5,8 @@ does one fp32 FMA per weight and row: at one row the decode bounds it, from ~4 r
 (docs/results/compact_weights.md), so a verify step of 8 tokens costs 2-3x a decode step and
 speculation has little room. llama.cpp's Q4_1 path (its Q4_1 x Q8_1 dot product) instead rounds
 the activations to 8 bits per block of 32 and multiplies integers, 32-64 products an instruction.
-This module is that design, in our own layout, as an explicit mode:
+This module is that design, in our own layout, as an explicit mode (on CPUs with AVX-512 VNNI
+the same numerics run on column panels, int8_panels.py, with the same bits):
 
     s_b  = amax_b / 127,  xq_j = round_half_even(x_j · (127 / amax_b))     per row, per block b of 32
     y    = Σ_b s_b · (d_b · Σ_j q_j xq_j  +  m_b · Σ_j xq_j)                 (w_j = d_b q_j + m_b, Q4_1)
