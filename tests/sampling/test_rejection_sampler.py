@@ -171,6 +171,20 @@ def test_an_all_greedy_batch_needs_no_draft_probs(batch_of):
     assert rejection_sample(batch).output_token_ids.tolist() == [[1, 2]]
 
 
+def test_plain_greedy_decoding_emits_each_rows_argmax_with_ties_to_the_lowest_id(batch_of):
+    """The batched path's shortcut for rounds without drafts where every request is greedy:
+    the reference's tokens, ties included."""
+    g = torch.Generator().manual_seed(0)
+    for num_requests in (1, 3, 8):
+        rows = torch.randint(0, 4, (num_requests, 40), generator=g).float()  # many ties at the max
+        batch = batch_of([(GREEDY, [], rows[r : r + 1], None) for r in range(num_requests)])
+        prep = prepare_batch(batch)
+        fast, ref = rejection_sample_batched(prep), rejection_sample_reference(prep)
+        assert torch.equal(fast.output_token_ids, ref.output_token_ids)
+        assert torch.equal(fast.num_accepted, ref.num_accepted)
+        assert fast.output_token_ids.squeeze(1).tolist() == [int((row == row.max()).nonzero()[0]) for row in rows]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_sparse_rows_give_the_same_result_as_the_same_distribution_dense(mixed_batch, seed):
     sparse = mixed_batch(seed, sparse=True)
