@@ -89,6 +89,17 @@ def test_the_avx2_kernel_gives_the_bits_of_the_16_lane_code(fmt):
             assert torch.equal(cw.matmul(x, c), cw.v16_matmul(x, c)), f"K = {k}, M = {m}"
 
 
+def test_the_table_decode_of_q4_1_gives_the_bits_of_the_conversion_decode():
+    """On AVX-512 a Q4_1 block is decoded by looking its nibbles up in the 16 values fma(j, d, m);
+    it must give exactly the weights (and the products) of converting each nibble and applying
+    the same fma (the library built with DSPARK_NO_TABLE_DECODE; one code path elsewhere)."""
+    for k, rows in ((160, (1, 2, 3, 4, 5, 8, 13)), (1536, (21, 70))):
+        c = cw.compact(_weights("q4_1", 67, k, seed=6), formats=("q4_1",))
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            assert torch.equal(cw.matmul(x, c), cw.no_table_matmul(x, c)), f"K = {k}, M = {m}"
+
+
 def test_a_strided_input_and_output_are_read_and_written_in_place():
     c = cw.compact(_weights("q4_1", 48, 64))
     big = torch.randn(5, 100)
