@@ -122,7 +122,7 @@ def test_a_truncated_json_array_yields_its_complete_elements():
     assert list(iter_json_array("[1, 2]")) == [1, 2]
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "champ"])
+@pytest.mark.parametrize("name", ["sharegpt", "champ", "pycode"])
 def test_installed_sources_yield_user_prompts(name):
     from dspark.data.prompt_sources import SOURCES
 
@@ -132,3 +132,97 @@ def test_installed_sources_yield_user_prompts(name):
         pytest.skip(str(e))
     assert len(first) == 50
     assert all(m[-1]["role"] == "user" and m[-1]["content"] for m in first)
+
+
+# ---- pycode: coding requests from the standard library's documented functions ----------------
+
+_MODULE = '''
+def add_all(values, start=0) -> int:
+    """Returns the sum of all the given values, starting from start.
+
+    More detail that stays out of the one-line task.
+    """
+    secret_body_marker = 1
+    return sum(values, start)
+
+
+def short():
+    """Too short to be a task."""
+
+
+def _private(x):
+    """Returns something private that nobody outside should ever call directly."""
+
+
+class Queue:
+    def push_item(self, item):
+        """Appends an item to the end of the queue and wakes one waiting consumer."""
+        secret_body_marker = 2
+
+    def _internal(self):
+        """Does internal bookkeeping that is not part of the public interface at all."""
+
+
+class _Hidden:
+    def visible(self):
+        """Returns a value from a private class, which is not a public method at all."""
+'''
+
+
+def _tree(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(_MODULE)
+    for skipped in ("tests", "_vendor", "idlelib"):
+        (tmp_path / skipped).mkdir()
+        (tmp_path / skipped / "mod.py").write_text(_MODULE)
+    (tmp_path / "broken.py").write_text("def (:\n")
+    return tmp_path
+
+
+def test_pycode_takes_public_documented_functions_and_methods_only(tmp_path):
+    from dspark.data.prompt_sources import iter_python_functions
+
+    fns = list(iter_python_functions(_tree(tmp_path)))
+    assert [f.qualname for f in fns] == ["pkg.mod.add_all", "pkg.mod.Queue.push_item"]
+    assert fns[0].signature == "add_all(values, start=0) -> int" and fns[0].cls is None
+    assert fns[1].cls == "Queue" and fns[1].signature == "push_item(self, item)"
+
+
+def test_pycode_turns_a_docstring_summary_into_an_imperative_task():
+    from dspark.data.prompt_sources import _first_sentence, _imperative
+
+    assert _first_sentence("Returns the sum. Then more.\n\nBody.") == "Returns the sum"
+    assert _imperative("Returns the sum of values") == "return the sum of values"
+    assert _imperative("Matches a pattern") == "match a pattern"
+    assert _imperative("Copies the file") == "copy the file"
+    assert _imperative("Process the queue") == "process the queue"
+    assert _imperative("Is this a valid name") is None
+    assert _imperative("add(a, b) -> number") is None
+
+
+def test_pycode_prompts_are_deterministic_and_never_show_a_body(tmp_path):
+    from dspark.data.prompt_sources import PythonFunction, iter_python_functions, pycode_prompt
+
+    fns = list(iter_python_functions(_tree(tmp_path)))
+    prompts = [pycode_prompt(f) for f in fns]
+    assert prompts == [pycode_prompt(f) for f in iter_python_functions(tmp_path)]
+    assert all("secret_body_marker" not in p for p in prompts)
+    # Every phrasing names the task; a docstring that opens with no verb is shown whole as a stub.
+    styles = set()
+    for i in range(60):
+        fn = PythonFunction(f"m.f{i}", None, f"f{i}", f"f{i}(x)", "Returns the square of x for every x that the caller gives.")
+        p = pycode_prompt(fn)
+        assert "square of x" in p
+        styles.add(p.split()[0] + p.split()[2])
+    assert len(styles) == 3
+    stub = pycode_prompt(PythonFunction("m.C.g", "C", "g", "g(self)", "Is the queue empty, as seen by a consumer right now?"))
+    assert stub.startswith("Implement this Python method:\n```python\nclass C:\n    def g(self):")
+    assert stub.rstrip().endswith("```")
+
+
+def test_pycode_prompts_pass_through_decontamination(tmp_path):
+    from dspark.data.prompt_sources import iter_python_functions, pycode_prompt
+
+    sources = {"pycode": [_user(pycode_prompt(f)) for f in iter_python_functions(_tree(tmp_path))]}
+    records, stats = build_prompts(sources, decontaminator=Decontaminator(BENCH, n=8), heldout_fraction=0.5, seed=0)
+    assert stats.per_source == {"pycode": 2} and len(records) == 2
