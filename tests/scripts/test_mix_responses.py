@@ -52,3 +52,17 @@ def test_inputs_of_the_wrong_regime_are_refused(tmp_path, greedy_t, sampled_t, m
 def test_a_prompt_in_both_inputs_is_refused(tmp_path):
     done = _mix(tmp_path, [_record("same", "train", 1, 0.0)], [_record("same", "train", 1, 1.0)], greedy_train=1)
     assert done.returncode != 0 and "both inputs" in done.stderr
+
+
+def test_extra_sets_are_taken_whole_after_the_sampled_ones_in_each_split(tmp_path):
+    greedy = [_record("g-held", "heldout", 5, 0.0), _record("g-train", "train", 2, 0.0), _record("g-cut", "train", 3, 0.0)]
+    code = [_record("c-train", "train", 9, 0.0), _record("c-held", "heldout", 4, 0.0)]
+    done = subprocess.run([sys.executable, str(SCRIPT), "--greedy", str(_write(tmp_path / "g", greedy)),
+                           "--extra", str(_write(tmp_path / "c", code)), "--greedy-train", "1",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "out" / "responses.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["g-held", "c-held", "g-train", "c-train"]
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["train_sampled"] == 0
+    assert stats["extra"][str(tmp_path / "c")] == {"train": 1, "heldout": 1, "train_response_tokens": 3, "settings": [[0.0, 1.0]]}
