@@ -122,7 +122,7 @@ def test_a_truncated_json_array_yields_its_complete_elements():
     assert list(iter_json_array("[1, 2]")) == [1, 2]
 
 
-@pytest.mark.parametrize("name", ["sharegpt", "champ", "pycode"])
+@pytest.mark.parametrize("name", ["sharegpt", "champ", "pycode", "pypkgs"])
 def test_installed_sources_yield_user_prompts(name):
     from dspark.data.prompt_sources import SOURCES
 
@@ -226,3 +226,24 @@ def test_pycode_prompts_pass_through_decontamination(tmp_path):
     sources = {"pycode": [_user(pycode_prompt(f)) for f in iter_python_functions(_tree(tmp_path))]}
     records, stats = build_prompts(sources, decontaminator=Decontaminator(BENCH, n=8), heldout_fraction=0.5, seed=0)
     assert stats.per_source == {"pycode": 2} and len(records) == 2
+
+
+# ---- pypkgs: the same requests from permissively licensed installed libraries ----------------
+
+
+def test_pypkgs_reads_the_listed_installed_libraries_with_their_package_names(tmp_path):
+    from dspark.data.prompt_sources import load_pypkgs
+
+    for name in ("alpha", "beta", "unlisted"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mod.py").write_text(_MODULE)
+    prompts = [m[0]["content"] for m in load_pypkgs(tmp_path, packages=("beta", "missing", "alpha"))]
+    assert len(prompts) == 4  # two functions each from beta and alpha; "missing" is skipped
+    # The package name is part of the qualified name, so phrasings differ between packages...
+    from dspark.data.prompt_sources import iter_python_functions
+
+    assert [f.qualname for f in iter_python_functions(tmp_path / "alpha", package="alpha")] == [
+        "alpha.mod.add_all", "alpha.mod.Queue.push_item"]
+    # ...and a site without any of them is an error, not an empty data set.
+    with pytest.raises(FileNotFoundError, match="none of"):
+        list(load_pypkgs(tmp_path, packages=("missing",)))
