@@ -185,6 +185,7 @@ def run_offline_eval(
                      for b in config.benchmarks}
     runs: list[EvalRun] = []
     unsupported: list[dict] = []
+    plain_digests: dict[str, str] = {}  # benchmark -> output digest of plain decoding at temperature 0
     runtime, runtime_layers = None, None
     for spec in config.drafters:
         layers = capture_layers[spec.label]
@@ -224,7 +225,23 @@ def run_offline_eval(
                     run.benchmarks[bench] = cached
                 runs.append(run)
         del drafter
-    return build_results(config, runs, unsupported=unsupported)
+    if 0.0 in config.temperatures:
+        # The losslessness reference: plain decoding (no drafter) on the same runtime. Drafters
+        # agreeing with each other is not enough; each must give the target's own greedy output.
+        spec, key = DrafterSpec(label="plain", name="none"), RunKey("plain", 0.0, config.gamma, config.gamma)
+        for bench in config.benchmarks:
+            convs = conversations[bench]
+            fingerprint = _fingerprint(config, spec, key, bench, convs)
+            path = None if work_dir is None else Path(work_dir) / "_plain" / f"T0-g{config.gamma}" / f"{bench}.npz"
+            cached = _load_cached(path, fingerprint) if path is not None else None
+            if cached is None:
+                cached = run_conversations(runtime, None, tokenizer, convs, gamma=config.gamma, temperature=0.0,
+                                           seed=config.seed, max_new_tokens=config.max_new_tokens, batch_size=config.batch_size)
+                if path is not None:
+                    _save_cached(path, fingerprint, cached)
+                log(f"plain decoding T=0 {bench}: the greedy reference ({cached.seconds:.0f} s)")
+            plain_digests[bench] = cached.output_digest
+    return build_results(config, runs, unsupported=unsupported, plain_digests=plain_digests)
 
 
 # ---- results --------------------------------------------------------------------------------
@@ -259,10 +276,13 @@ def summarize_group(runs: Sequence[BenchmarkRun], gamma: int, thresholds: Sequen
     return out
 
 
-def build_results(config: EvalConfig, runs: Sequence[EvalRun], *, unsupported: Sequence[dict] = ()) -> dict:
+def build_results(config: EvalConfig, runs: Sequence[EvalRun], *, unsupported: Sequence[dict] = (),
+                  plain_digests: dict[str, str] | None = None) -> dict:
     """The results file. Its head is the issue's schema: target, temperature, block_size,
     prompts_per_benchmark, tau {label: {benchmark: τ}} (at the primary temperature and γ);
-    everything else follows."""
+    everything else follows. `plain_digests` (benchmark -> output digest of plain greedy
+    decoding) is the reference of `greedy_outputs_agree`; without it the drafters are only
+    compared with each other."""
     primary = config.primary_temperature
     run_json = []
     for run in runs:
@@ -283,7 +303,11 @@ def build_results(config: EvalConfig, runs: Sequence[EvalRun], *, unsupported: S
         tau_by_t.setdefault(_t_key(r["temperature"]), {})[r["label"]] = {b: v["tau"] for b, v in r["benchmarks"].items()}
     greedy = [r for r in run_json if r["temperature"] == 0.0]
     agree = {}
-    if len(greedy) > 1:  # lossless: at temperature 0 every drafter and γ must give the target's own greedy output
+    plain_digests = plain_digests or {}
+    if greedy and plain_digests:  # lossless: at temperature 0 every drafter and γ gives the target's own greedy output
+        for b in config.benchmarks:
+            agree[b] = all(r["benchmarks"][b]["output_digest"] == plain_digests[b] for r in greedy)
+    elif len(greedy) > 1:
         for b in config.benchmarks:
             agree[b] = len({r["benchmarks"][b]["output_digest"] for r in greedy}) == 1
     return {
@@ -295,6 +319,7 @@ def build_results(config: EvalConfig, runs: Sequence[EvalRun], *, unsupported: S
         "tau_mean": {r["label"]: r["domains"]["all"]["tau"] for r in main if r["temperature"] == primary},
         "tau_by_temperature": tau_by_t,
         "greedy_outputs_agree": agree,
+        "greedy_reference": "plain decoding" if plain_digests else ("each other" if agree else None),
         "unsupported": list(unsupported),
         "config": {
             "drafters": [_drafter_json(d) for d in config.drafters],

@@ -85,7 +85,8 @@ def render_report(results: dict) -> str:
         parts += ["", "Not run: " + "; ".join(f"{label} γ={g} ({why})" for (label, g), why in skipped.items())]
     disagree = [b for b, ok in results.get("greedy_outputs_agree", {}).items() if not ok]
     if disagree:
-        parts += ["", f"WARNING: greedy outputs differ between drafters on {disagree} (expected identical: lossless)"]
+        against = results.get("greedy_reference") or "each other"
+        parts += ["", f"WARNING: greedy outputs differ from {against} on {disagree} (expected identical: lossless)"]
     return "\n".join(parts)
 
 

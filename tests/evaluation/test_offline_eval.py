@@ -71,6 +71,28 @@ def test_tau_per_benchmark_is_emitted_over_rounds_and_runs_cover_every_setting(r
         assert set(run["domains"]) == {"code", "chat", "all"}
     assert results["tau"]["ngram"]["humaneval"] == runs[("ngram", 1.0, 4)]["benchmarks"]["humaneval"]["tau"]
     assert results["greedy_outputs_agree"] == {b: True for b in BENCHES}  # lossless at temperature 0
+    assert results["greedy_reference"] == "plain decoding"
+
+
+def test_greedy_agreement_is_judged_against_plain_decoding_not_between_drafters(dspark_path, monkeypatch):
+    """Two drafters that agree with each other but not with plain decoding are flagged."""
+    import dataclasses
+
+    from dspark.evaluation import offline_eval
+
+    real = offline_eval.run_conversations
+
+    def plain_differs(runtime, drafter, *args, **kwargs):
+        run = real(runtime, drafter, *args, **kwargs)
+        return dataclasses.replace(run, output_digest="not-the-drafters'") if drafter is None else run
+
+    monkeypatch.setattr(offline_eval, "run_conversations", plain_differs)
+    config = make_config(dspark_path, temperatures=(0.0,), block_sizes=())
+    out = run_offline_eval(config, load_runtime=tiny_loader, tokenizer=ByteChatTokenizer(), progress=False, log=lambda m: None)
+    digests = {r["benchmarks"]["humaneval"]["output_digest"] for r in out["runs"]}
+    assert len(digests) == 1  # the drafters agree with each other...
+    assert out["greedy_outputs_agree"] == {b: False for b in BENCHES}  # ...and that is not enough
+    assert "WARNING: greedy outputs differ from plain decoding" in render_report(out)
 
 
 def test_drafters_with_confidences_get_the_threshold_sweep_and_reliability(results):
