@@ -701,6 +701,11 @@ def available() -> bool:
     return load() is not None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernels are not available (the compiler's error), or None where they are."""
+    return None if available() else _LIBRARY.error
+
+
 def matmul(x: torch.Tensor, cw: CompactWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] fp32 (last dim contiguous) -> x Wᵀ [M, N] fp32, through the kernel."""
     return _run(load(), x, cw, out)

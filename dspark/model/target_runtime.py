@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.model import compact_weights
 from dspark.model.config import ModelConfig
 from dspark.model.kv_cache import KVBudgetExceeded, KVCache
 from dspark.model.model_store import DEFAULT_MODEL, resolve_model_dir
@@ -150,8 +151,9 @@ class TargetRuntime:
             model = Transformer.from_dir(model_dir, compute_dtype=torch.float32, compact=True,
                                          int8_activations=cfg.weights == "compact-int8")
             if not model.compact and cfg.weights.startswith("compact"):
-                raise ValueError(f"{model_dir}: no exact compact format (Q4_1 / Q8_0 blocks) reproduces every linear "
-                                 f"layer's weights, or the kernel could not be built; use weights='dense'")
+                reason = compact_weights.unavailable_reason() or (
+                    "no exact compact format (Q4_1 / Q8_0 blocks) reproduces every linear layer's weights")
+                raise ValueError(f"{model_dir}: {cfg.weights} weights unavailable: {reason}; use weights='dense'")
             if not model.compact and dense_dtype != torch.float32:  # auto: the hardware's dense dtype instead
                 model = Transformer.from_dir(model_dir, compute_dtype=dense_dtype)
         tokens = cfg.kv_budget_mb * 2**20 // model.config.kv_bytes_per_token(torch.float32.itemsize)

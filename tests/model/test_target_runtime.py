@@ -277,13 +277,9 @@ def test_target_config_names_the_weight_formats_and_refuses_compact_with_bf16():
         TargetConfig(dtype="bfloat16", weights="compact")
 
 
-def test_loading_asks_for_compact_weights_only_where_they_are_exact(tmp_path):
-    """weights="compact" on a checkpoint no block format reproduces is an error naming the way
-    out; "auto" quietly keeps dense weights there."""
+def save_tiny_checkpoint(directory, state_dict) -> None:
+    """The tiny config's state dict as a Hugging Face checkpoint directory."""
     from safetensors.torch import save_file
-
-    from dspark.model.target_runtime import TargetConfig, TargetRuntime
-    from tests.conftest import compact_exact_state_dict, random_hf_state_dict
 
     config = ModelConfig.tiny()
     fields = {"model_type": "llama", "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
@@ -291,17 +287,41 @@ def test_loading_asks_for_compact_weights_only_where_they_are_exact(tmp_path):
               "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
               "head_dim": config.head_dim, "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
               "max_position_embeddings": config.max_position_embeddings, "tie_word_embeddings": True}
-    sd = random_hf_state_dict(config, seed=0)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(fields))
+
+
+def test_loading_asks_for_compact_weights_only_where_they_are_exact(tmp_path):
+    """weights="compact" on a checkpoint no block format reproduces is an error naming the way
+    out; "auto" quietly keeps dense weights there."""
+    from dspark.model.target_runtime import TargetConfig, TargetRuntime
+    from tests.conftest import compact_exact_state_dict, random_hf_state_dict
+
+    sd = random_hf_state_dict(ModelConfig.tiny(), seed=0)
     for name, weights in (("dense-ckpt", sd), ("gguf-like", compact_exact_state_dict(sd))):
-        (tmp_path / name).mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp_path / name / "model.safetensors"))
-        (tmp_path / name / "config.json").write_text(json.dumps(fields))
+        save_tiny_checkpoint(tmp_path / name, weights)
     with pytest.raises(ValueError, match="weights='dense'"):
         TargetRuntime.load(TargetConfig(model=str(tmp_path / "dense-ckpt"), weights="compact", kv_budget_mb=1))
     assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "dense-ckpt"), dtype="float32", kv_budget_mb=1)).linear_numerics == "float32"
     assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "gguf-like"), kv_budget_mb=1)).linear_numerics == "compact"
     assert TargetRuntime.load(TargetConfig(model=str(tmp_path / "gguf-like"), weights="dense", dtype="float32",
                                            kv_budget_mb=1)).linear_numerics == "float32"
+
+
+def test_compact_weights_asked_for_where_the_kernel_cannot_be_built_name_the_build_error(tmp_path, monkeypatch):
+    """A compiler failure is not a silent fallback when compact weights were asked for: the
+    error carries the build's message; "auto" keeps dense weights (and warned at build time)."""
+    from dspark.model import compact_weights
+    from dspark.model.target_runtime import TargetConfig, TargetRuntime
+    from tests.conftest import compact_exact_state_dict, random_hf_state_dict
+
+    save_tiny_checkpoint(tmp_path, compact_exact_state_dict(random_hf_state_dict(ModelConfig.tiny(), seed=0)))
+    monkeypatch.setattr(compact_weights, "load", lambda: None)
+    monkeypatch.setattr(compact_weights._LIBRARY, "error", "compact_gemm kernels unavailable (g++: not found)")
+    with pytest.raises(ValueError, match=r"compact weights unavailable: compact_gemm kernels unavailable \(g\+\+: not found\)"):
+        TargetRuntime.load(TargetConfig(model=str(tmp_path), weights="compact", kv_budget_mb=1))
+    assert TargetRuntime.load(TargetConfig(model=str(tmp_path), dtype="float32", kv_budget_mb=1)).linear_numerics == "float32"
 
 
 @pytest.mark.slow
