@@ -8,7 +8,9 @@ number of coroutines submit requests and read their tokens as the rounds finish.
     engine.shutdown()
 
 Threading invariant: the SpeculativeEngine (and so the runtime, its KV cache and the drafter)
-is touched by the engine thread only. Coroutines talk to it through one thread-safe command
+is touched by the engine thread only, and `start()` frees the OpenMP workers of the thread that
+built and warmed it up: one thread computes per process, or every parallel region of the forward
+pays a futex wake-up (1.5x slower decoding, dspark/model/compute_thread.py). Coroutines talk to it through one thread-safe command
 queue (add, abort, stop); the thread answers each request on that request's own asyncio.Queue
 through its event loop's `call_soon_threadsafe`. So several event loops (a uvicorn thread and a
 test's loop) may share one AsyncEngine.
@@ -47,6 +49,7 @@ from opentelemetry.trace import SpanContext
 
 from dspark.engine.faults import PartFailure, RequestsFailed
 from dspark.engine.speculative import GenerationRequest, RequestState, SpeculativeEngine
+from dspark.model.compute_thread import release_openmp_workers
 from dspark.model.kv_cache import KVBudgetExceeded
 from dspark.observability import tracing
 from dspark.observability.metrics import RequestTiming, engine_metrics
@@ -181,6 +184,7 @@ class AsyncEngine:
     def start(self) -> "AsyncEngine":
         if self._thread is not None:
             raise RuntimeError("AsyncEngine.start() called twice")
+        release_openmp_workers()  # the caller built and warmed up the engine; the engine thread computes now
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
         self._thread.start()
         return self

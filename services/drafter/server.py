@@ -12,13 +12,13 @@ as the drafter made them (sparse when it truncates to top-k, dense otherwise).
 
 Every incoming message is validated first (INVALID_ARGUMENT with "field: message"); a request
 the drafter does not hold, or a round whose anchor lacks the features of the positions before it,
-is FAILED_PRECONDITION. Calls are serialised by one lock.
+is FAILED_PRECONDITION. The calls run one at a time on one compute thread (so that the drafter's
+OpenMP pool stays one pool: dspark/model/compute_thread.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass
 
@@ -27,6 +27,7 @@ import torch
 
 from dspark.drafters.base import Drafter, NoDrafter, checked_spec
 from dspark.engine.speculative import draft_stream_seed
+from dspark.model.compute_thread import ComputeThread, release_openmp_workers
 from dspark.protos import DRAFTER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import drafter_pb2, drafter_pb2_grpc
 from dspark.serving_config import ServingConfig
@@ -55,7 +56,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if self.needs_hidden and hidden_size < 1:
             raise ValueError(f"drafter {self.spec.name!r} reads hidden states: pass the target's hidden_size")
         self._states: dict[str, _DraftState] = {}
-        self._lock = threading.Lock()  # drafters are single-threaded
+        # Drafters are single-threaded, and one thread keeps the OpenMP pool one pool
+        # (dspark/model/compute_thread.py): every handler hands its call to this thread.
+        self._compute = ComputeThread("dspark-drafter-compute")
         self._seed_source = torch.Generator().manual_seed(int(time.time_ns() % 2**63))
 
     def _state(self, request_id: str, rpc: str) -> _DraftState:
@@ -69,61 +72,66 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         with rpc_errors(context, "Drafter.AddRequest"):
             validate.drafter_add_request(request, vocab_size=self.vocab_size)
             seed = request.params.seed if request.params.HasField("seed") else None
-            with self._lock:
-                if request.request_id in self._states:
-                    raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
-                if seed is None:
-                    seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-                self._states[request.request_id] = _DraftState(
-                    token_ids=list(request.prompt_ids), generator=torch.Generator().manual_seed(draft_stream_seed(seed))
-                )
-                self.drafter.add_request(request.request_id, list(request.prompt_ids),
-                                         convert.sampling_params_from_proto(request.params))
+            self._compute.run(self._add_request, request, seed)
             return drafter_pb2.DrafterAddResponse()
+
+    def _add_request(self, request: drafter_pb2.DrafterAddRequest, seed: int | None) -> None:
+        if request.request_id in self._states:
+            raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
+        self._states[request.request_id] = _DraftState(
+            token_ids=list(request.prompt_ids), generator=torch.Generator().manual_seed(draft_stream_seed(seed))
+        )
+        self.drafter.add_request(request.request_id, list(request.prompt_ids), convert.sampling_params_from_proto(request.params))
 
     def AppendFeatures(self, request: drafter_pb2.AppendFeaturesRequest, context) -> drafter_pb2.AppendFeaturesResponse:
         with rpc_errors(context, "Drafter.AppendFeatures"):
             if not self.needs_hidden:
                 raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, f"drafter {self.spec.name!r} reads no hidden states")
             validate.append_features(request, num_capture_layers=len(self.capture_layers), hidden_size=self.hidden_size)
-            features = convert.append_features_from_proto(request)  # request id -> [n_new, m, hidden]
-            with self._lock:
-                for rid in features:
-                    self._state(rid, "AppendFeatures")
-                self.drafter.observe_many(features)
+            self._compute.run(self._append_features, request)
             return drafter_pb2.AppendFeaturesResponse()
+
+    def _append_features(self, request: drafter_pb2.AppendFeaturesRequest) -> None:
+        features = convert.append_features_from_proto(request)  # request id -> [n_new, m, hidden]
+        for rid in features:
+            self._state(rid, "AppendFeatures")
+        self.drafter.observe_many(features)
 
     def RemoveRequest(self, request: drafter_pb2.DrafterRemoveRequest, context) -> drafter_pb2.DrafterRemoveResponse:
         with rpc_errors(context, "Drafter.RemoveRequest"):
             validate.remove_request(request)
-            removed = 0
-            with self._lock:
-                for rid in request.request_ids:
-                    if self._states.pop(rid, None) is not None:
-                        removed += 1
-                self.drafter.remove_requests(list(request.request_ids))
-            return drafter_pb2.DrafterRemoveResponse(num_removed=removed)
+            return drafter_pb2.DrafterRemoveResponse(num_removed=self._compute.run(self._remove_requests, list(request.request_ids)))
+
+    def _remove_requests(self, request_ids: list[str]) -> int:
+        removed = sum(self._states.pop(rid, None) is not None for rid in request_ids)
+        self.drafter.remove_requests(request_ids)
+        return removed
 
     def Draft(self, request: drafter_pb2.DraftRoundRequest, context):
         with rpc_errors(context, "Drafter.Draft"):
             validate.draft_round_request(request, vocab_size=self.vocab_size)
-            with self._lock:
-                reqs = []
-                for msg in request.requests:
-                    state = self._state(msg.request_id, "Draft")
-                    req = convert.draft_request_from_proto(msg, known_token_ids=state.token_ids, generator=state.generator)
-                    self._check_features(req.request_id, len(req.token_ids))
-                    state.token_ids = req.token_ids
-                    reqs.append(req)
-                proposals = self.drafter.propose(reqs) if reqs else []
-            if len(proposals) != len(reqs):
-                raise RuntimeError(f"drafter {self.spec.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
-            blocks = []
-            for req, p in zip(reqs, proposals):
-                if len(p) > req.max_draft_tokens:
-                    raise RuntimeError(f"drafter {self.spec.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
-                blocks.append(convert.draft_block_to_proto(request.round_id, req.request_id, p))
+            blocks = self._compute.run(self._draft, request)
         yield from blocks
+
+    def _draft(self, request: drafter_pb2.DraftRoundRequest) -> list[drafter_pb2.DraftBlock]:
+        reqs = []
+        for msg in request.requests:
+            state = self._state(msg.request_id, "Draft")
+            req = convert.draft_request_from_proto(msg, known_token_ids=state.token_ids, generator=state.generator)
+            self._check_features(req.request_id, len(req.token_ids))
+            state.token_ids = req.token_ids
+            reqs.append(req)
+        proposals = self.drafter.propose(reqs) if reqs else []
+        if len(proposals) != len(reqs):
+            raise RuntimeError(f"drafter {self.spec.name!r} returned {len(proposals)} proposals for {len(reqs)} requests")
+        blocks = []
+        for req, p in zip(reqs, proposals):
+            if len(p) > req.max_draft_tokens:
+                raise RuntimeError(f"drafter {self.spec.name!r} proposed {len(p)} > {req.max_draft_tokens} tokens")
+            blocks.append(convert.draft_block_to_proto(request.round_id, req.request_id, p))
+        return blocks
 
     def GetInfo(self, request: drafter_pb2.GetDrafterInfoRequest, context) -> drafter_pb2.DrafterInfo:
         with rpc_errors(context, "Drafter.GetInfo"):
@@ -174,6 +182,7 @@ def build_drafter(config: ServingConfig) -> tuple[Drafter | None, int, int]:
 
         runtime = TargetRuntime.load(TargetConfig.of(m, capture_layers=capture, kv_budget_mb=1))
     drafter = make_drafter(d.name, runtime=runtime, path=d.path or None, top_k=d.top_k)
+    release_openmp_workers()  # this thread is done with torch: the servicer's compute thread drafts now
     return drafter, model_config.vocab_size, model_config.hidden_size
 
 

@@ -9,20 +9,21 @@ listen and report SERVING on grpc.health.v1. The servicer is a thin shell around
 "field: message"), a request that does not fit the KV budget now gets RESOURCE_EXHAUSTED (the
 scheduler queues it), an id it already holds ALREADY_EXISTS and a round naming a request it does
 not hold FAILED_PRECONDITION (both are what a restart of the scheduler or of this service leaves;
-the scheduler recovers, dspark/engine/faults.py), and calls are serialised by one lock (one
-forward at a time: the model uses every core anyway).
+the scheduler recovers, dspark/engine/faults.py), and the calls run one at a time on one compute
+thread (one forward at a time: the model uses every core anyway; one thread, so that the
+target's OpenMP pool stays one pool: dspark/model/compute_thread.py).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import grpc
 import torch
 
 from dspark.engine.verifier import LocalVerifier, VerifyBatch, resolve_sampler_backend
+from dspark.model.compute_thread import ComputeThread, release_openmp_workers
 from dspark.protos import VERIFIER_SERVICE, convert, validate
 from dspark.protos.dspark.v1 import verifier_pb2, verifier_pb2_grpc
 from dspark.sampling import DraftProbs
@@ -40,38 +41,43 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier: LocalVerifier, *, model: str = ""):
         self.verifier = verifier
         self.model = model
-        self._lock = threading.Lock()  # LocalVerifier is single-threaded
+        # LocalVerifier is single-threaded, and one thread keeps the target's OpenMP pool one
+        # pool (dspark/model/compute_thread.py): every handler hands its call to this thread.
+        self._compute = ComputeThread("dspark-verifier-compute")
 
     def AddRequest(self, request: verifier_pb2.VerifierAddRequest, context) -> verifier_pb2.VerifierAddResponse:
         with rpc_errors(context, "Verifier.AddRequest"):
             validate.verifier_add_request(request, vocab_size=self.verifier.vocab_size, max_model_len=self.verifier.max_model_len)
             params = convert.sampling_params_from_proto(request.params)
-            with self._lock:
-                if self.verifier.has_request(request.request_id):  # the client decides: stale state of a dead scheduler?
-                    raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
-                self.verifier.add_request(request.request_id, list(request.prompt_ids), params, request.num_kv_tokens)
-                free = self.verifier.free_kv_tokens
-            return verifier_pb2.VerifierAddResponse(free_kv_tokens=free)
+            return self._compute.run(self._add_request, request, params)
+
+    def _add_request(self, request: verifier_pb2.VerifierAddRequest, params: SamplingParams) -> verifier_pb2.VerifierAddResponse:
+        if self.verifier.has_request(request.request_id):  # the client decides: stale state of a dead scheduler?
+            raise RpcAbort(grpc.StatusCode.ALREADY_EXISTS, f"request {request.request_id!r} is already registered")
+        self.verifier.add_request(request.request_id, list(request.prompt_ids), params, request.num_kv_tokens)
+        return verifier_pb2.VerifierAddResponse(free_kv_tokens=self.verifier.free_kv_tokens)
 
     def RemoveRequest(self, request: verifier_pb2.VerifierRemoveRequest, context) -> verifier_pb2.VerifierRemoveResponse:
         with rpc_errors(context, "Verifier.RemoveRequest"):
             validate.remove_request(request)
-            with self._lock:
-                removed = self.verifier.remove_request(list(request.request_ids))
-                free = self.verifier.free_kv_tokens
-            return verifier_pb2.VerifierRemoveResponse(num_removed=removed, free_kv_tokens=free)
+            return self._compute.run(self._remove_request, list(request.request_ids))
+
+    def _remove_request(self, request_ids: list[str]) -> verifier_pb2.VerifierRemoveResponse:
+        removed = self.verifier.remove_request(request_ids)
+        return verifier_pb2.VerifierRemoveResponse(num_removed=removed, free_kv_tokens=self.verifier.free_kv_tokens)
 
     def Verify(self, request: verifier_pb2.VerifyBatch, context) -> verifier_pb2.VerifyResult:
         with rpc_errors(context, "Verifier.Verify"):
             validate.verify_batch(request, vocab_size=self.verifier.vocab_size)
-            batch = convert.verify_batch_from_proto(request)
-            with self._lock:
-                unknown = [rid for rid in batch.request_ids if not self.verifier.has_request(rid)]
-                if unknown:  # e.g. this verifier restarted: the scheduler rebuilds them (dspark/engine/faults.py)
-                    raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"requests {unknown[:5]} are not registered with this verifier (AddRequest first)")
-                result = self.verifier.verify(batch)
-            return convert.verify_result_to_proto(result)
+            return self._compute.run(self._verify, request)
+
+    def _verify(self, request: verifier_pb2.VerifyBatch) -> verifier_pb2.VerifyResult:
+        batch = convert.verify_batch_from_proto(request)  # tensors are built and read on the compute thread too
+        unknown = [rid for rid in batch.request_ids if not self.verifier.has_request(rid)]
+        if unknown:  # e.g. this verifier restarted: the scheduler rebuilds them (dspark/engine/faults.py)
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"requests {unknown[:5]} are not registered with this verifier (AddRequest first)")
+        return convert.verify_result_to_proto(self.verifier.verify(batch))
 
     def GetSPSProfile(self, request: verifier_pb2.GetSPSProfileRequest, context) -> verifier_pb2.SPSProfile:
         with rpc_errors(context, "Verifier.GetSPSProfile"):
@@ -136,6 +142,7 @@ def build_local_verifier(config: ServingConfig) -> LocalVerifier:
         t0 = time.perf_counter()
         verifier.sps_profile = profile_sps(runtime, max_batch=v.sps_max_batch, tokens_per_request=v.sps_tokens_per_request)
         log.info("SPS(B) profiled in %.1f s up to B = %d", time.perf_counter() - t0, v.sps_max_batch)
+    release_openmp_workers()  # this thread is done with torch: the servicer's compute thread runs the target now
     return verifier
 
 

@@ -2,7 +2,8 @@
 
 Specification: requests beyond the KV budget queue in FIFO order; a bad request fails only its
 own consumer; a failing step fails the running requests and the loop goes on; leaving a stream
-or cancelling frees KV; output equals the engine run directly; shutdown refuses new requests.
+or cancelling frees KV; output equals the engine run directly; shutdown refuses new requests;
+start() frees the OpenMP workers of the thread that built the engine (one compute thread).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dspark.model.config import ModelConfig
 from dspark.model.target_runtime import TargetRuntime
 from dspark.model.transformer import Transformer
 from dspark.sampling.params import SamplingParams
+from tests.model.test_compute_thread import needs_openmp_pool, on_a_fresh_thread, os_threads, parallel_region
 from tests.polling import wait_until
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -177,3 +179,25 @@ async def test_shutdown_fails_unfinished_requests_and_refuses_new_ones(tiny_engi
     with pytest.raises(EngineError):
         await engine.submit(GenerationRequest("late", [1, 2], 4, GREEDY))
     assert engine.runtime.kv.reserved_tokens == 0
+
+
+@needs_openmp_pool
+def test_start_frees_the_openmp_workers_of_the_thread_that_built_the_engine():
+    # Two pools on a 2-core machine make libgomp put idle workers to sleep at once: the served
+    # forward ran 1.5x slower (dspark/model/compute_thread.py). Only the engine thread computes.
+    workers = torch.get_num_threads() - 1
+
+    def build_warm_and_start() -> tuple[int, int, AsyncEngine]:
+        engine = AsyncEngine(SpeculativeEngine(tiny_runtime(), None))
+        parallel_region()  # e.g. the warm-up and SPS(B) profile this thread ran
+        before = os_threads()
+        engine.start()  # + the engine thread, - this thread's workers
+        return before, os_threads(), engine
+
+    before, after, engine = on_a_fresh_thread(build_warm_and_start)
+    try:
+        assert after == before + 1 - workers
+        tokens, _ = asyncio.run(collect(engine, GenerationRequest("r", [1, 2, 3], 4, GREEDY)))
+        assert len(tokens) == 4
+    finally:
+        engine.shutdown()

@@ -6,12 +6,14 @@ emits (same p_d rows, same hidden states, same random streams: dense and sparse 
 whose KV does not fit waits and is served later, never failed; a verifier that answers too late
 is retried on a rebuilt request, then fails it with an error naming the service and the deadline;
 finished requests leave no state on either service; the remote drafter declares the service's
-spec field for field.
+spec field for field; every call into the verifier and the drafter runs on its service's one
+compute thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -219,3 +221,36 @@ def test_aborted_and_finished_requests_leave_no_state_on_the_services(serve, tin
     assert drafter.context_len("a") == runtime.context_len("a") == len(engine.running["a"].all_token_ids) - 1
     engine.abort("a")
     assert drafter.context_len("a") == 0 and runtime.kv.reserved_tokens == 0
+
+
+def test_every_call_into_the_verifier_and_the_drafter_runs_on_the_services_one_compute_thread(serve, tiny_runtime_factory):
+    # gRPC hands calls to a pool of threads; a forward on each would leave one OpenMP pool per
+    # thread, and past one pool per core libgomp's sleeping workers slow every forward
+    # (dspark/model/compute_thread.py). So the servicers run the model on one thread of their own.
+    runtime = tiny_runtime_factory(capture_layers=CAPTURE)
+    local = LocalVerifier(runtime)
+    drafter = make_serving_drafter(runtime)
+    threads: dict[str, set[int]] = {"verify": set(), "add_request": set(), "propose": set(), "observe_many": set()}
+
+    def recorded(owner, name):
+        method = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            threads[name].add(threading.get_ident())
+            return method(*args, **kwargs)
+        setattr(owner, name, call)
+
+    for name in ("verify", "add_request"):
+        recorded(local, name)
+    for name in ("propose", "observe_many"):
+        recorded(drafter, name)
+    engine = SpeculativeEngine.from_parts(
+        verifier=RemoteVerifier(serve.verifier(local)),
+        drafter=RemoteDrafter(serve.drafter(drafter, vocab_size=runtime.vocab_size, hidden_size=runtime.config.hidden_size)),
+        num_speculative_tokens=4)
+    engine.generate(requests(max_new_tokens=12))
+    verifier_threads = threads["verify"] | threads["add_request"]
+    drafter_threads = threads["propose"] | threads["observe_many"]
+    assert len(verifier_threads) == 1 and len(drafter_threads) == 1, threads
+    assert threading.get_ident() not in verifier_threads | drafter_threads
+    assert verifier_threads != drafter_threads
