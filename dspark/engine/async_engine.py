@@ -7,13 +7,13 @@ number of coroutines submit requests and read their tokens as the rounds finish.
         print(delta.new_token_ids, delta.finish_reason, delta.stats.mean_accepted_length)
     engine.shutdown()
 
-Threading invariant: the SpeculativeEngine (and so the runtime, its KV cache and the drafter)
-is touched by the engine thread only, and `start()` frees the OpenMP workers of the thread that
+Threading invariant: the SpeculativeEngine (and so the runtime, its KV cache and the drafter) is
+touched by the engine thread only, and `start()` frees the OpenMP workers of the thread that
 built and warmed it up: one thread computes per process, or every parallel region of the forward
-pays a futex wake-up (1.5x slower decoding, dspark/model/compute_thread.py). Coroutines talk to it through one thread-safe command
-queue (add, abort, stop); the thread answers each request on that request's own asyncio.Queue
-through its event loop's `call_soon_threadsafe`. So several event loops (a uvicorn thread and a
-test's loop) may share one AsyncEngine.
+pays a futex wake-up (1.5x slower decoding, dspark/model/compute_thread.py). Coroutines talk to
+it through one thread-safe command queue (add, abort, stop); the thread answers each request on
+that request's own asyncio.Queue through its event loop's `call_soon_threadsafe`. So several
+event loops (a uvicorn thread and a test's loop) may share one AsyncEngine.
 
 Invariant of the loop, once per iteration: drain the commands; admit waiting requests in FIFO
 order while their KV fits (the head waits for KV to free, the rest wait behind it, so nobody
