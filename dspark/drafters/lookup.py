@@ -31,6 +31,13 @@ rejected and resampled from the residual, which is zero at x_k) or was cut off b
 (then the position holds the target's own sample, or the next rounds' tokens). So comparing the
 proposal with the emitted tokens up to the first mismatch counts, per position k, tries and hits
 of the conditional acceptance P(x_k accepted | x_<k accepted).
+
+The same holds for a lookup that was found but NOT proposed (the model's block won): the emitted
+tokens have the target's distribution whatever was proposed (that is losslessness), so they score
+the unproposed continuation just as well. Every match is scored ("shadow" scoring). Without it an
+estimate that starts below the model's expected accepted length is never tried and never learns:
+on mbpp the shipped drafter's lookups were never chosen (0 of 638 rounds) although the same
+lookups were right 25 times in 26 on humaneval.
 """
 
 from __future__ import annotations
@@ -106,10 +113,10 @@ def expected_accepted(confidences: np.ndarray) -> float:
 
 @dataclass
 class _Pending:
-    context_len: int  # len(token_ids) when proposed: the drafts sit at positions context_len...
+    context_len: int  # len(token_ids) when found: the continuation sits at positions context_len...
     n: int
     history: int
-    tokens: list[int]
+    tokens: list[int]  # proposed, or found and not proposed (the model's block won): scored alike
 
 
 class LookupDrafter(Drafter):
@@ -163,12 +170,13 @@ class LookupDrafter(Drafter):
             if n:
                 history = self._history.get(req.request_id, NO_HISTORY)
                 conf = self.acceptance.confidences(n, history, len(cont))  # [len(cont)]
-                if req.free_only or expected_accepted(conf) >= self.model_expected:
+                take = req.free_only or expected_accepted(conf) >= self.model_expected
+                self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
+                if take:
                     proposal = DraftProposal.point_mass(cont)
                     proposal.confidences = torch.from_numpy(conf).float()
                     proposal.free = True  # a suffix search: the draft gate weighs the model's proposals only
                     out[i] = proposal
-                    self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
                     self.lookup_proposals += 1
                     continue
             if not req.free_only:
@@ -185,7 +193,7 @@ class LookupDrafter(Drafter):
         return out
 
     def _learn(self, req: DraftRequest) -> None:
-        # the tokens emitted since this request's last lookup proposal score it (module docstring)
+        # the tokens emitted since this request's last lookup, proposed or not, score it (module docstring)
         pending = self._pending.pop(req.request_id, None)
         if pending is not None:
             emitted = req.token_ids[pending.context_len:]

@@ -2,9 +2,10 @@
 
 Specification: where the context repeats itself the block is the lookup continuation (point
 masses, online confidences) and the model drafter is not run for that request; elsewhere it is
-the model drafter's block; acceptance is learnt from the tokens emitted after a lookup, up to the
-first mismatch; greedy output equals plain decoding and sampled output has exactly the target's
-distribution (chi-square) with lookups firing, under every draft-length policy.
+the model drafter's block; acceptance is learnt from the tokens emitted after every lookup found,
+proposed or outbid by the model, up to the first mismatch; greedy output equals plain decoding
+and sampled output has exactly the target's distribution (chi-square) with lookups firing, under
+every draft-length policy.
 """
 
 from __future__ import annotations
@@ -104,6 +105,24 @@ def test_a_lookup_weaker_than_the_model_gives_way_to_the_model(tiny_runtime_fact
     drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
     (p,) = drafter.propose([_request("a", toks)])
     assert drafter.lookup_proposals == 0 and drafter.model_proposals == 1 and len(p) == 4
+
+
+def test_a_lookup_the_model_outbid_is_still_scored_by_the_tokens_that_followed(tiny_runtime_factory):
+    # the emitted tokens have the target's distribution whatever was proposed, so they score the
+    # unproposed lookup too; otherwise an estimate that starts below the model's never learns
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    drafter = LookupDrafter(make_serving_drafter(runtime))
+    drafter.model_expected = 3.0
+    toks = [3, 4, 5, 6, 7, 3, 4]  # the lookup would propose 5 6 7 3
+    drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
+    (p,) = drafter.propose([_request("a", toks)])
+    assert drafter.lookup_proposals == 0 and drafter.model_proposals == 1
+    toks = toks + [5, 6, 9]  # the round emitted 5 6 9 (from the model's block or the target)
+    drafter.observe("a", torch.zeros(3, 2, runtime.config.hidden_size))
+    drafter.propose([_request("a", toks)])
+    assert drafter.acceptance.tries[2, NO_HISTORY].tolist() == [1, 1, 1, 0]
+    assert drafter.acceptance.hits[2, NO_HISTORY].tolist() == [1, 1, 0, 0]
+    assert drafter._history["a"] == PARTLY
 
 
 def test_dspark_lookup_loads_a_dspark_checkpoint_by_name(tiny_runtime_factory, tmp_path):
