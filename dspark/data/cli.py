@@ -2,9 +2,12 @@
 
     dspark data prompts  --out data/ --sources sharegpt,champ --max-prompts 20000 --heldout-fraction 0.05
     dspark data generate --data-dir data/ --batch-size 32 --max-new-tokens 256 --temperature 1.0
+    dspark data datastore --responses data/responses.jsonl --out CHECKPOINT_DIR/ngram_datastore.npz
 
 `prompts` writes DIR/prompts.jsonl (+ DIR/prompts_stats.json); `generate` reads it and appends
-to DIR/responses.jsonl, skipping ids already there. `add_data_parser(subparsers)` registers the
+to DIR/responses.jsonl, skipping ids already there; `datastore` turns the train split's responses
+into the n-gram datastore that `<family>-lookup` drafters read beside their checkpoint
+(dspark/drafters/datastore.py). `add_data_parser(subparsers)` registers the
 command on the main `dspark` parser.
 """
 
@@ -104,6 +107,28 @@ def cmd_generate(args) -> int:
     return 130 if stats.interrupted else 0
 
 
+def cmd_datastore(args) -> int:
+    from dspark.drafters.datastore import NgramDatastore, read_responses
+    from dspark.model.model_store import resolve_model_dir
+    from dspark.model.tokenizer import Tokenizer
+
+    try:
+        sequences = read_responses(args.responses, split=args.split)
+        vocab_size = Tokenizer(resolve_model_dir(args.model)).vocab_size
+        store = NgramDatastore.build(sequences, vocab_size=vocab_size, min_n=args.min_n, max_n=args.max_n)
+    except (FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not sequences:
+        print(f"error: no {args.split} responses in {args.responses}", file=sys.stderr)
+        return 2
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    store.save(args.out)
+    print(f"{len(sequences)} responses, {sum(map(len, sequences))} tokens -> {store.entries} n-grams "
+          f"(n = {args.min_n}..{args.max_n}) -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def add_data_parser(subparsers) -> argparse.ArgumentParser:
     d = subparsers.add_parser("data", help="prepare drafter training data: prompts, then target-regenerated responses")
     sub = d.add_subparsers(dest="data_command", required=True)
@@ -137,4 +162,13 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, default=None, help="only the first N prompts of prompts.jsonl")
     g.add_argument("--no-progress", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("datastore", help="responses.jsonl files -> the n-gram datastore of lookup drafters (.npz)")
+    s.add_argument("--responses", nargs="+", required=True, help="responses.jsonl files of dspark data generate")
+    s.add_argument("--out", required=True, help="e.g. CHECKPOINT_DIR/ngram_datastore.npz, where <family>-lookup reads it")
+    s.add_argument("--split", choices=["train", "heldout"], default="train", help="which records (held-out ones stay out)")
+    s.add_argument("--min-n", type=int, default=2)
+    s.add_argument("--max-n", type=int, default=4)
+    s.add_argument("--model", default=DEFAULT_MODEL, help="whose vocabulary size sets the key packing")
+    s.set_defaults(func=cmd_datastore)
     return d

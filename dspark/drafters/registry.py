@@ -160,9 +160,13 @@ def make_drafter(name: str, *, runtime: TargetRuntime | None = None, path: str |
         return NgramDrafter()
     names = drafter_names()
     if name.endswith(LOOKUP_SUFFIX) and name in names:
+        from dspark.drafters.datastore import DATASTORE_FILE, NgramDatastore
         from dspark.drafters.lookup import LookupDrafter
 
-        return LookupDrafter(make_drafter(checkpoint_family(name), runtime=runtime, path=path, top_k=top_k))
+        model = make_drafter(checkpoint_family(name), runtime=runtime, path=path, top_k=top_k)
+        # the target's own answers as an n-gram datastore, where the checkpoint carries one (datastore.py)
+        store = Path(_require_path(checkpoint_family(name), path)) / DATASTORE_FILE
+        return LookupDrafter(model, datastore=NgramDatastore.load(store) if store.exists() else None)
     if name not in names:
         raise ValueError(f"unknown drafter {name!r}; expected one of {names}")
     if runtime is None:

@@ -232,3 +232,26 @@ def test_real_model_regeneration_stops_at_eos_and_equals_decoding_alone(real_run
             assert row["response_ids"][-1] in real_tokenizer.eos_token_ids
     assert any(r["finish_reason"] == "stop" for r in rows.values())
     assert real_runtime.kv.reserved_tokens == 0
+
+
+def test_the_cli_turns_the_train_responses_into_a_datastore(tmp_path, monkeypatch):
+    import argparse
+    import types
+
+    import dspark.data.cli as data_cli
+    from dspark.drafters.datastore import NgramDatastore
+    from dspark.model import model_store, tokenizer
+
+    monkeypatch.setattr(model_store, "resolve_model_dir", lambda name: "unused")
+    monkeypatch.setattr(tokenizer, "Tokenizer", lambda model_dir: types.SimpleNamespace(vocab_size=100))
+    (tmp_path / "responses.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"split": "train", "response_ids": [1, 2, 3, 4]}, {"split": "heldout", "response_ids": [1, 2, 9]}]) + "\n")
+    parser = argparse.ArgumentParser()
+    data_cli.add_data_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "ckpt" / "ngram_datastore.npz"
+    args = parser.parse_args(["data", "datastore", "--responses", str(tmp_path / "responses.jsonl"), "--out", str(out)])
+    assert args.func(args) == 0
+    store = NgramDatastore.load(out)
+    assert store.chain([1, 2], 5) == ([3, 4], [1.0, 1.0])  # the held-out 9 stayed out
+    args = parser.parse_args(["data", "datastore", "--responses", str(tmp_path / "missing.jsonl"), "--out", str(out)])
+    assert args.func(args) == 2

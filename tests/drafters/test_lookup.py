@@ -2,8 +2,9 @@
 
 Specification: where the context repeats itself the block is the lookup continuation (point
 masses, online confidences) and the model drafter is not run for that request; elsewhere it is
-the model drafter's block; acceptance is learnt from the tokens emitted after every lookup found,
-proposed or outbid by the model, up to the first mismatch; greedy output equals plain decoding
+the model drafter's block, or where the drafter has a datastore of the target's answers and
+expects more of it, its chain; acceptance is learnt from the tokens emitted after every lookup
+and chain found, proposed or outbid, up to the first mismatch; greedy output equals plain decoding
 and sampled output has exactly the target's distribution (chi-square) with lookups firing, under
 every draft-length policy.
 """
@@ -16,8 +17,10 @@ import torch
 
 from dspark.drafters import make_drafter
 from dspark.drafters.base import DraftRequest
+from dspark.drafters.datastore import NgramDatastore
 from dspark.drafters.lookup import (
     ALL_RIGHT,
+    GREEDY_REGIME,
     MISSED,
     NO_HISTORY,
     PARTLY,
@@ -26,6 +29,7 @@ from dspark.drafters.lookup import (
     expected_accepted,
     history_bucket,
     longest_match,
+    share_bin,
 )
 from dspark.engine.speculative import GenerationRequest, SpeculativeEngine
 from dspark.profiling.sps import SPSProfile
@@ -125,6 +129,34 @@ def test_a_lookup_the_model_outbid_is_still_scored_by_the_tokens_that_followed(t
     assert drafter._history["a"] == PARTLY
 
 
+def test_where_the_context_does_not_repeat_the_datastore_chain_is_proposed_and_scored(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    store = NgramDatastore.build([[10, 11, 12, 13, 14, 15], [11, 12, 30]], vocab_size=runtime.config.vocab_size, min_n=2, max_n=3)
+    drafter = LookupDrafter(make_serving_drafter(runtime), datastore=store)
+    drafter.model_expected = 0.1  # below the chain's prior estimate
+    toks = [20, 21, 10, 11, 12]  # no repeated suffix; the store continues (10, 11, 12) with 13 14 15
+    drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
+    (p,) = drafter.propose([_request("a", toks)])
+    assert p.token_ids.tolist() == [13, 14, 15] and p.free and p.probs.flatten().tolist() == [1.0] * 3
+    assert drafter.datastore_proposals == drafter.lookup_proposals == 1 and drafter.model_proposals == 0
+    drafter.observe("a", torch.zeros(2, 2, runtime.config.hidden_size))
+    drafter.propose([_request("a", toks + [13, 9])])  # the round emitted 13, then 9
+    assert drafter.share_acceptance.tries[GREEDY_REGIME, share_bin(1.0)] == 2
+    assert drafter.share_acceptance.hits[GREEDY_REGIME, share_bin(1.0)] == 1
+
+
+def test_the_model_gets_the_round_when_it_expects_more_than_the_datastore(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(capture_layers=(1, 3))
+    store = NgramDatastore.build([[10, 11, 12, 13, 14, 15]], vocab_size=runtime.config.vocab_size)
+    drafter = LookupDrafter(make_serving_drafter(runtime), datastore=store)
+    drafter.model_expected = 3.0
+    toks = [20, 21, 10, 11]
+    drafter.observe("a", torch.zeros(len(toks) - 1, 2, runtime.config.hidden_size))
+    (p,) = drafter.propose([_request("a", toks)])
+    assert not p.free and len(p) == 4 and drafter.model_proposals == 1 and drafter.datastore_proposals == 0
+    assert drafter._pending_chain["a"].tokens == [12, 13, 14, 15]  # still scored next round
+
+
 def test_dspark_lookup_loads_a_dspark_checkpoint_by_name(tiny_runtime_factory, tmp_path):
     from dspark.drafters import drafter_capture_layers
     from dspark.drafters.dspark.checkpoint import save_checkpoint
@@ -161,6 +193,12 @@ def test_greedy_output_with_lookups_equals_plain_decoding(tiny_runtime_factory, 
     assert drafted > 0 and accepted > 0 and drafter.lookup_proposals > 0 and drafter.model_proposals > 0
     assert runtime.kv.reserved_tokens == 0
 
+    # with a datastore of the target's own answers (half of them, so that chains also go wrong)
+    store = NgramDatastore.build([s.output_ids[:12] for s in plain], vocab_size=runtime.config.vocab_size, min_n=1, max_n=3)
+    with_store = LookupDrafter(make_serving_drafter(runtime), min_n=2, datastore=store)
+    assert [s.output_ids for s in generate(with_store, policy)] == [s.output_ids for s in plain]
+    assert with_store.datastore_proposals > 0
+
 
 def test_sampled_tokens_with_lookups_have_exactly_the_target_distribution(tiny_runtime_factory):
     runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
@@ -168,6 +206,17 @@ def test_sampled_tokens_with_lookups_have_exactly_the_target_distribution(tiny_r
     # the prompt repeats (3, 1): the first round's block is a lookup, later ones either kind
     assert_sampling_is_lossless(runtime, drafter, num_samples=3000, prompt=(3, 1, 4, 1, 5, 3, 1))
     assert drafter.lookup_proposals > 1000 and drafter.model_proposals > 0
+
+
+def test_sampled_tokens_with_datastore_chains_have_exactly_the_target_distribution(tiny_runtime_factory):
+    runtime = tiny_runtime_factory(**SMALL_VOCAB_RUNTIME)
+    rng = np.random.default_rng(3)
+    store = NgramDatastore.build([rng.integers(0, 8, size=40).tolist() for _ in range(20)], vocab_size=8, min_n=1, max_n=2)
+    drafter = LookupDrafter(make_serving_drafter(runtime, seed=2, block_size=2), min_n=3, datastore=store)
+    drafter.model_expected = -1.0  # never updated below the chains: every round proposes one
+    drafter.smoothing = 0.0
+    assert_sampling_is_lossless(runtime, drafter, num_samples=3000, prompt=(3, 1, 4, 1, 5, 2, 6))
+    assert drafter.datastore_proposals > 1000
 
 
 def test_rounds_the_draft_gate_skips_still_get_lookups_and_never_the_model(tiny_runtime_factory):
