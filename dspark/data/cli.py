@@ -114,13 +114,12 @@ def cmd_datastore(args) -> int:
 
     try:
         sequences = read_responses(args.responses, split=args.split)
+        if not sequences:
+            raise ValueError(f"no {args.split} responses in {args.responses}")
         vocab_size = Tokenizer(resolve_model_dir(args.model)).vocab_size
         store = NgramDatastore.build(sequences, vocab_size=vocab_size, min_n=args.min_n, max_n=args.max_n)
     except (FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not sequences:
-        print(f"error: no {args.split} responses in {args.responses}", file=sys.stderr)
         return 2
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     store.save(args.out)
