@@ -54,13 +54,13 @@ import torch
 
 from dspark.drafters.base import Drafter, DraftProposal, DraftRequest
 from dspark.drafters.datastore import NgramDatastore
-from dspark.drafters.ngram import find_ngram_continuation
+from dspark.drafters.ngram import ContextIndex, find_ngram_continuation
 
 
 def longest_match(tokens: np.ndarray, *, min_n: int, max_n: int, k: int) -> tuple[int, list[int]]:
     """(n, continuation): the longest suffix length n in [min_n, max_n] that occurred earlier and
     up to k tokens that followed its latest earlier occurrence; (0, []) when none.
-    tokens: [seq_len] int64."""
+    tokens: [seq_len] int64. The plain reference of ContextIndex.longest_match, which serves."""
     for n in range(min(max_n, tokens.shape[0] - 1), min_n - 1, -1):
         cont = find_ngram_continuation(tokens, min_n=n, max_n=n, k=k)
         if cont:
@@ -189,6 +189,7 @@ class LookupDrafter(Drafter):
         self._pending: dict[str, _Pending] = {}
         self._pending_chain: dict[str, _PendingChain] = {}
         self._history: dict[str, int] = {}  # request -> bucket of its last scored lookup
+        self._index: dict[str, ContextIndex] = {}  # request -> its context's n-grams, grown round by round
         # what the last rounds chose (benchmarks and tests read these)
         self.lookup_proposals = 0  # context lookups and datastore chains
         self.datastore_proposals = 0  # of which datastore chains
@@ -206,6 +207,7 @@ class LookupDrafter(Drafter):
         self._pending.pop(request_id, None)
         self._pending_chain.pop(request_id, None)
         self._history.pop(request_id, None)
+        self._index.pop(request_id, None)
         self.model.remove_request(request_id)
 
     # ---- one round ---------------------------------------------------------------------------
@@ -245,8 +247,11 @@ class LookupDrafter(Drafter):
         """The context lookup and the datastore chain found for `req`, each kept pending to be
         scored next round whether it is proposed or not."""
         found = []
-        tokens = np.asarray(req.token_ids, dtype=np.int64)  # [seq_len]
-        n, cont = longest_match(tokens, min_n=self.min_n, max_n=self.max_n, k=req.max_draft_tokens)
+        index = self._index.get(req.request_id)
+        if index is None:
+            index = self._index[req.request_id] = ContextIndex(min_n=self.min_n, max_n=self.max_n)
+        index.update(req.token_ids)
+        n, cont = index.longest_match(req.max_draft_tokens)
         if n:
             history = self._history.get(req.request_id, NO_HISTORY)
             conf = self.acceptance.confidences(n, history, len(cont))  # [len(cont)]

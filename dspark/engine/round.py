@@ -36,7 +36,7 @@ from dspark.sampling import DraftProbs
 from dspark.sampling.logprobs import NOT_ASKED, TokenLogprobs
 from dspark.scheduling.draft_gate import DraftGate
 from dspark.scheduling.policies import Policy
-from dspark.scheduling.prefix_scheduler import ScheduleTrace, empty_schedule_trace
+from dspark.scheduling.prefix_scheduler import ScheduleTrace, any_draft_can_pay, empty_schedule_trace
 
 __all__ = ["RoundResult", "emit", "request_rounds", "run_round"]
 
@@ -86,12 +86,14 @@ def run_round(
     prefilling = [s for s in table if not s.prefilled]
 
     with phase("draft"):
-        drafting = _gate_allows_drafting(draft_gate, verifier, decoding, prefilling, gamma)
+        # Algorithm 1 would verify no draft whatever was proposed: nothing to draft, not even a lookup
+        unpayable = _no_draft_can_pay(policy, verifier, decoding, prefilling)
+        drafting = not unpayable and _gate_allows_drafting(draft_gate, verifier, decoding, prefilling, gamma)
         counters.rounds_without_drafting += int(not drafting)
         t_draft = time.perf_counter()
         if drafting:
             proposals = _propose(drafter, decoding, gamma, policy)
-        elif spec.free_proposals:  # the gate skips the model, not a lookup that costs nothing
+        elif spec.free_proposals and not unpayable:  # the gate skips the model, not a lookup that costs nothing
             proposals = _propose(drafter, decoding, gamma, policy, free_only=True)
         else:
             proposals = [DraftProposal.empty() for _ in decoding]
@@ -102,7 +104,7 @@ def run_round(
 
     trace = None
     with phase("schedule"):
-        if policy is not None and decoding and not drafting and policy.gates_drafting and not any(map(len, proposals)):
+        if policy is not None and decoding and not drafting and (policy.gates_drafting or unpayable) and not any(map(len, proposals)):
             # The gate skipped the drafter and no lookup proposed anything: every ℓ_r is 0 without
             # running Algorithm 1 (~0.2 ms a round here; a gated policy keeps no state across rounds).
             if trace_schedule:
@@ -183,6 +185,22 @@ def emit(s: RequestState, tokens: list[int], logprobs: TokenLogprobs | None = No
 
 
 # ---- draft ---------------------------------------------------------------------------------
+
+def _no_draft_can_pay(policy: Policy | None, verifier: Verifier, decoding: list[RequestState],
+                      prefilling: list[RequestState]) -> bool:
+    """True when the policy is Algorithm 1 with the break and not even a certain draft could raise
+    Θ this round (prefix_scheduler.any_draft_can_pay): it would verify nothing, so nothing is
+    drafted. From the round's sizes and the SPS profile only, never a token: lossless."""
+    if policy is None or not policy.skips_unpayable_rounds or not decoding:
+        return False
+    profile = verifier.sps_profile
+    if profile is None:
+        return False
+    prefill_tokens = sum(len(s.all_token_ids) for s in prefilling)  # a rebuild prefills prompt + output so far
+    table = profile.table(upto=prefill_tokens + len(decoding) + 1)  # [P + R + 1]: Θ_0 and the first candidate's bound
+    return not any_draft_can_pay(num_requests=len(decoding), sps_table=table, prefill_tokens=prefill_tokens,
+                                 prefill_emitted=len(prefilling))
+
 
 def _gate_allows_drafting(gate: DraftGate | None, verifier: Verifier, decoding: list[RequestState],
                           prefilling: list[RequestState], gamma: int) -> bool:

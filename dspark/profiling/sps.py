@@ -18,7 +18,10 @@ import torch
 
 from dspark.model.target_runtime import TargetRuntime
 
-_GRID = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+# Every B up to 17: a CPU GEMM's cost rises in steps of its row tile (4 rows on AVX2, 8 on
+# AVX-512: B = 5 costs 1.4-1.7x B = 4 on compact weights), and the scheduler must see the step
+# where it is, not a line drawn across it from B = 8 to B = 10.
+_GRID = [*range(1, 18), 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
 
 
 @dataclass
@@ -74,9 +77,9 @@ def profile_sps(
     max_batch: int = 64,
     tokens_per_request: int = 8,
     context_len: int = 128,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> SPSProfile:
-    """Time one verifier forward for each grid B <= max_batch (median of `repeats`)."""
+    """Time one verifier forward for each grid B <= max_batch (median over `repeats` passes of the grid)."""
     if max_batch < 1 or tokens_per_request < 1:
         raise ValueError(f"need max_batch >= 1 and tokens_per_request >= 1, got {max_batch}, {tokens_per_request}")
     grid = [b for b in _GRID if b <= max_batch]
@@ -91,20 +94,23 @@ def profile_sps(
             runtime.add_request(rid, context_len + tokens_per_request)
         runtime.forward(ids, torch.randint(0, vocab, (num_requests * context_len,), generator=gen), [context_len] * num_requests,
                         logits_indices=torch.empty(0, dtype=torch.long))
-        times = []
-        for b in grid:
-            lens = [min(tokens_per_request, b - i * tokens_per_request) for i in range(-(-b // tokens_per_request))]
-            batch_ids = ids[: len(lens)]
-            tokens = torch.randint(0, vocab, (b,), generator=gen)
-            samples = []
-            for _ in range(repeats + 1):  # the first run warms caches and allocator
+        # Passes over the whole grid rather than `repeats` runs of one B after another: a moment
+        # of load from another process then slows one sample of many B, not every sample of a
+        # few neighbouring B (which bent the curve by 30-60 % on a shared 2-core host).
+        samples: list[list[float]] = [[] for _ in grid]  # [len(grid)][repeats]
+        for rep in range(repeats + 1):  # the first pass warms caches and allocator
+            for g, b in enumerate(grid):
+                lens = [min(tokens_per_request, b - i * tokens_per_request) for i in range(-(-b // tokens_per_request))]
+                batch_ids = ids[: len(lens)]
+                tokens = torch.randint(0, vocab, (b,), generator=gen)
                 t0 = time.perf_counter()
                 runtime.forward(batch_ids, tokens, lens)
                 synchronize(runtime.device)  # a GPU step ends when its kernels do, not when they are queued
-                samples.append(time.perf_counter() - t0)
+                if rep:
+                    samples[g].append(time.perf_counter() - t0)
                 for rid in batch_ids:
                     runtime.truncate(rid, context_len)
-            times.append(statistics.median(samples[1:]))
+        times = [statistics.median(s) for s in samples]
     finally:
         for rid in ids:
             runtime.free_request(rid)

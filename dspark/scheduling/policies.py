@@ -45,6 +45,9 @@ class Policy(Protocol):
     # True: the engine skips a round's drafting when its last rounds say drafting will not pay
     # (dspark/scheduling/draft_gate.py); the static baselines always draft
     gates_drafting: bool
+    # True: Algorithm 1 with the break, which admits nothing on a round where even a certain
+    # draft could not raise Θ; the engine then drafts nothing (prefix_scheduler.any_draft_can_pay)
+    skips_unpayable_rounds: bool
     # what the last draft_lengths computed on its way (Algorithm 1's Θ per admission, its break),
     # for the round view; None for the policies that compute no Θ
     last_trace: ScheduleTrace | None
@@ -95,6 +98,7 @@ class NonePolicy:
     needs_sps_profile: bool = False
     max_drafts: int | None = 0
     gates_drafting: bool = False
+    skips_unpayable_rounds: bool = False
     last_trace: ClassVar[None] = None
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
@@ -114,6 +118,7 @@ class FixedPolicy:
     needs_confidences: bool = False
     needs_sps_profile: bool = False
     gates_drafting: bool = False
+    skips_unpayable_rounds: bool = False
     last_trace: ClassVar[None] = None
 
     def __post_init__(self) -> None:
@@ -153,6 +158,7 @@ class ThresholdPolicy:
     needs_sps_profile: bool = False
     max_drafts: int | None = None
     gates_drafting: bool = False
+    skips_unpayable_rounds: bool = False
     last_trace: ClassVar[None] = None
 
     def __post_init__(self) -> None:
@@ -186,6 +192,7 @@ class DSparkPolicy:
     needs_sps_profile: bool = True
     max_drafts: int | None = None
     gates_drafting: bool = True
+    skips_unpayable_rounds: bool = True
     last_trace: ScheduleTrace | None = field(default=None, repr=False, compare=False)
 
     def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None,
@@ -222,6 +229,7 @@ class DSparkAsyncPolicy:
     # not gated: its capacity comes from confidences of two rounds earlier, which a round
     # without drafting does not produce, so a gate would starve it of the very rounds it reads
     gates_drafting: bool = False
+    skips_unpayable_rounds: bool = False
     last_trace: ClassVar[None] = None  # (its capacity search is over stale confidences: no Θ of this round)
     round_index: int = 0  # rounds scheduled so far
     _history: dict[str, deque] = field(default_factory=dict, repr=False)  # id -> deque[(round, c [n_r])], maxlen 2

@@ -62,7 +62,8 @@ thousands of floats costs more than a schedule). Cost: benchmarks/bench_schedule
 
 Entry points: `schedule` (Algorithm 1, vectorised), `schedule_reference` (plain loops, its
 definition), `schedule_full_search` (no break: NOT lossless, for capacities and tests),
-`schedule_async`, `admit_top_k`, `throughput_objective`, `brute_force_optimum`. The `_with_trace`
+`schedule_async`, `admit_top_k`, `throughput_objective`, `brute_force_optimum`, and
+`any_draft_can_pay` (whether any draft could be admitted at all, asked before drafting). The `_with_trace`
 forms of the first two also return a `ScheduleTrace`: the Θ after each admission and where and
 why the admissions stopped, what the scheduler computed anyway (the round view shows it).
 Run `python -m pytest tests/scheduling -q` and `python benchmarks/bench_scheduler.py`.
@@ -162,6 +163,24 @@ def _survival(c: np.ndarray, n: np.ndarray) -> np.ndarray:
     a = np.cumprod(c, axis=1)  # [R, γ], left to right: the same roundings as the reference loop
     a[np.arange(c.shape[1]) >= n[:, None]] = 0.0  # [R, γ] mask of unavailable positions
     return a
+
+
+def any_draft_can_pay(*, num_requests: int, sps_table: ArrayLike, prefill_tokens: int = 0, prefill_emitted: int = 0) -> bool:
+    """Whether Algorithm 1 (with the break) could admit any draft this round, whatever the drafts.
+
+    Its first candidate has a ≤ 1, so Θ_1 = (τ*_0 + a) · SPS(B_0 + 1) ≤ (τ*_0 + 1) · SPS(B_0 + 1)
+    with B_0 = P + R, τ*_0 = E + R; when even that bound does not exceed Θ_0 = τ*_0 · SPS(B_0)
+    (or B_0 + 1 is beyond the table), the break stops at the first candidate and ℓ = 0 for every
+    request. The engine then skips drafting altogether (no model forward, no lookups): on a
+    verifier whose step grows in steps of several tokens (compact fp32 weights on a CPU: B = 5
+    costs 1.4-1.7x B = 4) that is every round from a few concurrent requests on, where drafts
+    could only cost. It reads R, P, E and the table only, never a draft: lossless."""
+    _check_prefill(prefill_tokens, prefill_emitted)
+    sps = np.asarray(sps_table, dtype=np.float64)  # [B_max]
+    batch, tau = num_requests + prefill_tokens, float(num_requests + prefill_emitted)
+    if num_requests == 0 or batch + 1 > sps.size:
+        return False
+    return (tau + 1.0) * float(sps[batch]) > tau * float(sps[batch - 1])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,3 +87,17 @@ def test_responses_of_the_train_split_are_read(tmp_path):
         {"split": "train", "response_ids": [1, 2]}, {"split": "heldout", "response_ids": [3]}, {"response_ids": [4]}]) + "\n")
     assert read_responses([path]) == [[1, 2], [4]]
     assert read_responses([path], split="heldout") == [[3]]
+
+
+def test_a_memoised_chain_is_the_chain_searched_again_and_cannot_be_changed_through_its_result():
+    g = np.random.default_rng(5)
+    store = NgramDatastore.build([g.integers(0, 6, size=60).tolist() for _ in range(30)], vocab_size=6, min_n=1, max_n=3)
+    fresh = NgramDatastore(min_n=store.min_n, max_n=store.max_n, bits=store.bits, tables=store.tables)
+    for _ in range(200):
+        context, k = g.integers(0, 6, size=int(g.integers(1, 8))).tolist(), int(g.integers(1, 8))
+        first = store.chain(context, k)
+        first[0].append(-1)  # a caller's change to a result must not reach the memo
+        again = store.chain(context, k)
+        plain = NgramDatastore(min_n=store.min_n, max_n=store.max_n, bits=store.bits, tables=store.tables).chain(context, k)
+        assert again == plain and again[0] == first[0][:-1]
+        assert fresh.chain(context, k) == plain

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.drafters.base import DraftRequest
-from dspark.drafters.ngram import NgramDrafter, find_ngram_continuation
+from dspark.drafters.ngram import ContextIndex, NgramDrafter, find_ngram_continuation
 from dspark.sampling.params import SamplingParams
 
 
@@ -110,7 +110,44 @@ def test_invalid_ngram_bounds_are_a_value_error(min_n, max_n):
         NgramDrafter(min_n=min_n, max_n=max_n)
 
 
-def test_the_drafter_keeps_no_per_request_state():
+def test_the_incremental_index_answers_as_the_reference_on_contexts_that_grow_round_by_round():
+    # the serving path (ContextIndex) against the plain rescan, a few tokens added per round as the
+    # engine adds them, and a context that is not an extension (a rebuilt request) indexed afresh
+    g = np.random.default_rng(3)
+    hits = 0
+    for trial in range(120):
+        min_n = int(g.integers(1, 3))
+        max_n = int(g.integers(min_n, 6))
+        index = ContextIndex(min_n=min_n, max_n=max_n)
+        tokens = g.integers(0, 4 if trial % 2 else 12, size=int(g.integers(1, 10))).tolist()
+        for _ in range(12):
+            k = int(g.integers(1, 8))
+            index.update(list(tokens))
+            expected = reference_lookup(tokens, min_n=min_n, max_n=max_n, k=k)
+            got = index.longest_match(k)
+            assert got[1] == expected, (tokens, min_n, max_n, k)
+            assert (got[0] == 0) == (not expected)
+            hits += bool(expected)
+            if g.random() < 0.1:
+                tokens = g.integers(0, 6, size=int(g.integers(1, 20))).tolist()  # not an extension
+            else:
+                tokens = tokens + g.integers(0, 6, size=int(g.integers(1, 9))).tolist()
+    assert hits > 400
+
+
+def test_the_match_length_is_the_longest_n_that_occurred():
+    index = ContextIndex(min_n=2, max_n=4)
+    index.update([7, 1, 2, 3, 9, 5, 2, 3, 8, 1, 2, 3])
+    assert index.longest_match(2) == (3, [9, 5])  # [1, 2, 3] beats the later [2, 3]
+
+
+def test_the_drafter_forgets_a_request_it_is_told_to_remove():
     drafter = NgramDrafter()
     drafter.remove_request("never-seen")  # a no-op, not an error
-    assert drafter.spec.name == "ngram"
+    drafter.propose([request([1, 2, 3, 1, 2], 2, "a")])
+    assert "a" in drafter._index
+    drafter.remove_request("a")
+    assert "a" not in drafter._index and drafter.spec.name == "ngram"
+    # a request id used again starts from its new context, not the old one
+    (p,) = drafter.propose([request([4, 5, 6, 4], 2, "a")])
+    assert p.token_ids.tolist() == [5, 6]

@@ -106,7 +106,7 @@ class VerifiesOnlyWhenTheSecondConfidenceIsHigh:
     above the round's median. c_2 depends on x_1, so whether x_1 is verified depends on x_1 itself
     (dspark-async's own choice of draft k depends only on c_1..c_k, i.e. on x_1..x_{k-1})."""
 
-    spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting = "peeking", True, True, None, False
+    spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting, skips_unpayable_rounds = "peeking", True, True, None, False, False
 
     def __init__(self):
         self.inner = parse_policy("dspark-async")
@@ -162,7 +162,7 @@ def test_prefills_riding_in_a_round_are_counted_in_the_policys_batch(tiny_runtim
     seen = []
 
     class Recording:
-        spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting = "recording", True, True, None, False
+        spec, needs_confidences, needs_sps_profile, max_drafts, gates_drafting, skips_unpayable_rounds = "recording", True, True, None, False, False
 
         def draft_lengths(self, *, request_ids, num_drafts, confidences=None, sps_table=None, prefill_tokens=0, prefill_emitted=0):
             seen.append((list(request_ids), prefill_tokens, prefill_emitted, len(sps_table)))

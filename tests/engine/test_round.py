@@ -23,7 +23,8 @@ from dspark.engine.round import RoundResult, emit, run_round
 from dspark.engine.speculative import SpeculativeEngine
 from dspark.engine.verifier import LocalVerifier
 from dspark.sampling.params import SamplingParams
-from dspark.scheduling.policies import FixedPolicy, ThresholdPolicy
+from dspark.profiling.sps import SPSProfile
+from dspark.scheduling.policies import DSparkPolicy, FixedPolicy, ThresholdPolicy
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = {"a": [5, 6, 7, 8, 5, 6, 7], "b": [1, 2, 3, 1, 2, 3, 1, 2], "c": [200, 17, 93]}
@@ -156,6 +157,35 @@ def test_a_policy_that_admits_none_of_the_drafts_leaves_one_token_per_request(ve
     assert [len(p) for p in result.admitted.values()] == [0, 0, 0]  # the policy admitted none
     assert emitted(result) == {rid: reference[rid][1:2] for rid in PROMPTS}
     assert result.num_draft_tokens == [0, 0, 0] and all(s.draft_tokens == 0 for s in table)
+
+
+STEP_AT_3_TOKENS = SPSProfile(batch_sizes=[1, 3, 4, 64], step_seconds=[0.010, 0.010, 0.020, 0.320])
+
+
+def test_algorithm_1_on_a_step_where_no_draft_can_pay_is_not_drafted_for_at_all(verifier, reference):
+    # 3 requests sit at the top of a 3-token plateau: a 4th token doubles the step, so even a
+    # certain draft lowers Θ and Algorithm 1 would admit none; the round asks the drafter nothing
+    # (not even a free lookup) and runs no schedule. From the batch sizes only: lossless.
+    verifier.sps_profile = STEP_AT_3_TOKENS
+    drafter = ScriptedDrafter(reference, confidence=1.0)
+    table = prefilled(verifier, drafter, "a", "b", "c")
+    asked_before, counters = len(drafter.asked), EngineCounters()
+    while any(s.finish_reason is None for s in table):
+        result = one_round(table, drafter, verifier, gamma=4, policy=DSparkPolicy(), counters=counters)
+        assert result.num_draft_tokens == [0, 0, 0] and result.drafting is False
+    assert len(drafter.asked) == asked_before and counters.rounds_without_drafting == counters.steps
+    assert {s.request.request_id: s.output_ids for s in table} == reference
+
+
+def test_algorithm_1_below_the_step_is_drafted_for(verifier, reference):
+    # the same profile with 2 requests: a 3rd token is free, so a certain draft pays and is verified
+    verifier.sps_profile = STEP_AT_3_TOKENS
+    drafter = ScriptedDrafter(reference, confidence=1.0)
+    table = prefilled(verifier, drafter, "a", "b")
+    result = one_round(table, drafter, verifier, gamma=4, policy=DSparkPolicy())
+    # Algorithm 1 takes one certain draft (B = 3) and breaks at the second (B = 4 doubles the step); ties go to "a"
+    assert len(drafter.asked) == 1 and result.drafting is True and result.num_draft_tokens == [1, 0]
+    assert emitted(result) == {"a": reference["a"][1:3], "b": reference["b"][1:2]}
 
 
 def test_a_policy_that_cuts_the_drafts_verifies_the_prefix_it_admits_only(verifier, reference):

@@ -15,6 +15,7 @@ from scipy.stats import binomtest, chisquare
 
 from dspark.scheduling.prefix_scheduler import (
     admit_top_k,
+    any_draft_can_pay,
     brute_force_optimum,
     empty_schedule_trace,
     full_search_capacity,
@@ -379,6 +380,42 @@ def test_the_break_can_stop_in_a_local_optimum_of_a_step_shaped_profile():
     assert schedule(confidences=c, sps_table=table).tolist() == [0]
     ell, best = brute_force_optimum(confidences=c, sps_table=table)
     assert ell.tolist() == [2] and best == pytest.approx((1 + 0.8 + 0.72) * 0.45)
+
+
+def test_when_no_draft_can_pay_algorithm_1_admits_nothing_whatever_the_confidences():
+    # asked before drafting: if it says no, the engine drafts nothing, and it must not drop a draft
+    # Algorithm 1 would have verified; if it says yes, a certain first draft is admitted
+    rng = np.random.default_rng(17)
+    said = {True: 0, False: 0}
+    for num_requests, gamma in sizes(rng, 300):
+        case = random_case(rng, num_requests, gamma)
+        prefill = int(rng.integers(0, 40)) if rng.random() < 0.3 else 0
+        emitted = min(prefill, int(rng.integers(0, 3)))
+        b_max = num_requests + prefill + int(rng.integers(0, num_requests * gamma + 1))
+        table = random_sps_table(rng, b_max, str(rng.choice(SPS_KINDS)))
+        can = any_draft_can_pay(num_requests=num_requests, sps_table=table, prefill_tokens=prefill, prefill_emitted=emitted)
+        said[can] += 1
+        kw = dict(sps_table=table, num_drafts=case["num_drafts"], prefill_tokens=prefill, prefill_emitted=emitted)
+        if not can:
+            for c in (case["confidences"], np.ones_like(case["confidences"])):
+                assert schedule(confidences=c, **kw).sum() == 0
+                assert schedule_reference(confidences=c, **kw).sum() == 0
+        else:
+            ones = np.ones((num_requests, gamma))
+            assert schedule_reference(confidences=ones, **{**kw, "num_drafts": None}).sum() >= 1
+    assert said[True] > 30 and said[False] > 30  # both answers were exercised
+
+
+def test_no_draft_can_pay_at_the_step_of_a_staircase_profile():
+    # compact fp32 weights on a 2-core AVX2 CPU (ms per step, B = 1..9): 4-row GEMM tiles
+    step_ms = np.array([8.6, 8.9, 10.3, 12.1, 17.9, 19.8, 20.7, 24.1, 33.2])
+    table = 1.0 / step_ms  # [9]
+    assert [any_draft_can_pay(num_requests=r, sps_table=table) for r in range(1, 9)] == [
+        True, True, True, False, True, True, False, False]  # R = 7: 8 / 24.1 < 7 / 20.7
+    assert not any_draft_can_pay(num_requests=9, sps_table=table)  # B = 10 is beyond the table
+    assert not any_draft_can_pay(num_requests=0, sps_table=table)
+    # a prefill in the same forward moves the batch along the curve: 2 requests + 2 prefill tokens sit at B = 4
+    assert not any_draft_can_pay(num_requests=2, sps_table=table, prefill_tokens=2, prefill_emitted=1)
 
 
 # ---------------------------------------------------------------------------------------------
