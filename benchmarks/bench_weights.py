@@ -22,14 +22,12 @@ next-token distributions.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from common import print_table
+from common import cpu_name, print_table
 from dspark.model.target_runtime import TargetConfig, TargetRuntime
 
 MODES = {
@@ -65,16 +63,6 @@ def gemm_weight_bytes(runtime: TargetRuntime) -> int:
         elif isinstance(module, SplitKLinear):
             total += sum(w.numel() * w.element_size() for w in module.weight_chunks)
     return total
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def step_ms(runtime: TargetRuntime, prefix: torch.Tensor, block: torch.Tensor, steps: int) -> float:

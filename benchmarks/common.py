@@ -1,8 +1,10 @@
-"""Shared helpers of the benchmark scripts: medians and tables (prompts: dspark.evaluation.prompts)."""
+"""Shared helpers of the benchmark scripts: medians, tables and the CPU's name (prompts: dspark.evaluation.prompts)."""
 
 from __future__ import annotations
 
+import platform
 import statistics
+from pathlib import Path
 
 from dspark.evaluation.prompts import load_first_turns
 
@@ -22,3 +24,13 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
     for r in cells:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
