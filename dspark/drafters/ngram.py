@@ -51,7 +51,7 @@ class ContextIndex:
     def update(self, token_ids: list[int]) -> None:
         """Index `token_ids`, an extension of the last context seen (else it is re-indexed)."""
         old = len(self.tokens)
-        if len(token_ids) < old or (old and token_ids[old - 1] != self.tokens[old - 1]) or token_ids[:old] != self.tokens:
+        if token_ids[:old] != self.tokens:  # shorter, or different before the new tokens
             self.tokens, self._ends, old = [], {}, 0
         tokens = self.tokens
         tokens.extend(token_ids[old:])
