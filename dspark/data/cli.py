@@ -134,7 +134,7 @@ def add_data_parser(subparsers) -> argparse.ArgumentParser:
 
     p = sub.add_parser("prompts", help="collect offline prompts, decontaminate, split -> DIR/prompts.jsonl")
     p.add_argument("--out", required=True, help="data directory")
-    p.add_argument("--sources", default="sharegpt,champ", help="comma-separated: sharegpt, champ, pycode, pypkgs")
+    p.add_argument("--sources", default="sharegpt,champ", help="comma-separated: sharegpt, champ, pycode, pypkgs, mathword")
     p.add_argument("--max-prompts", type=int, default=None)
     p.add_argument("--heldout-fraction", type=float, default=0.05, help="share of prompts held out for calibration")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (the split does not depend on it)")

@@ -247,3 +247,32 @@ def test_pypkgs_reads_the_listed_installed_libraries_with_their_package_names(tm
     # ...and a site without any of them is an error, not an empty data set.
     with pytest.raises(FileNotFoundError, match="none of"):
         list(load_pypkgs(tmp_path, packages=("missing",)))
+
+
+def test_instruction_boilerplate_shared_by_many_benchmark_turns_is_not_evidence_of_contamination():
+    instruction = "Please reason step by step, and put your final answer within a box at the end."
+    problems = [f"Problem {i}: a farmer has {i} cows and buys {i + 3} more cows at the market on day {i}." for i in range(25)]
+    d = Decontaminator([p + " " + instruction for p in problems], boilerplate_turns=20)
+    # a new problem ending with the shared instruction is kept ...
+    assert not d.is_contaminated("How many legs do 7 spiders have? " + instruction)
+    # ... a benchmark problem is still caught by its own content, with or without the instruction
+    assert d.is_contaminated(problems[3])
+    assert d.is_contaminated("Solve: " + problems[17] + " " + instruction)
+    # below the threshold the instruction's n-grams still count
+    few = Decontaminator([p + " " + instruction for p in problems[:5]], boilerplate_turns=20)
+    assert few.is_contaminated("How many legs do 7 spiders have? " + instruction)
+
+
+def test_mathword_problems_are_seeded_and_varied():
+    from dspark.data.math_word_problems import TEMPLATES, word_problem
+    from dspark.data.prompt_sources import load_mathword
+
+    assert word_problem(0, 41) == word_problem(0, 41) and word_problem(0, 41) != word_problem(1, 41)
+    problems = [m[0]["content"] for m in load_mathword(400)]
+    assert len(problems) == 400 and len(set(problems)) >= 390
+    assert all(m.strip().endswith(("?", ".", "}.")) for m in problems)
+    import random
+
+    for template in TEMPLATES:  # every template asks one question about numbers it states
+        text = template(random.Random(7))
+        assert text.endswith("?") and any(ch.isdigit() for ch in text), (template.__name__, text)
