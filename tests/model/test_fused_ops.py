@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -73,3 +75,31 @@ def test_every_row_gets_the_bits_it_gets_alone_whatever_the_rows_and_threads(thr
             assert torch.equal(ai, act.view(n, inter)[i])
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (7, 49152), (3, 1000), (64, 4099), (2, 5)])
+def test_row_argmax_is_torch_argmax(shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g)
+    x[0, shape[1] // 3] = x[0].max() + 1  # a clear winner
+    if shape[0] > 1:
+        x[1, :] = 0.5  # every entry ties: the first index
+        x[1, shape[1] - 1] = 0.5
+    if shape[0] > 2:
+        x[2, :] = -math.inf  # no finite entry: index 0, as torch
+    if shape[0] > 3:
+        x[3, shape[1] // 2] = math.nan  # NaN is the maximum for torch
+        x[3, shape[1] - 1] = math.inf
+    if shape[0] > 4:
+        x[4, shape[1] - 1] = math.inf  # the winner in the scalar tail
+        x[4, shape[1] - 2] = math.inf  # ... tied with its left neighbour
+    assert torch.equal(fused_ops.row_argmax(x), x.argmax(-1))
+    strided = torch.randn(shape[0], shape[1] + 16, generator=g)[:, 3 : shape[1] + 3]  # rows not packed
+    assert torch.equal(fused_ops.row_argmax(strided), strided.argmax(-1))
+
+
+def test_row_argmax_falls_back_to_torch_where_the_kernel_does_not_apply():
+    x = torch.randn(4, 33, dtype=torch.float64)
+    assert torch.equal(fused_ops.row_argmax(x), x.argmax(-1))
+    t = torch.randn(33, 4).t()  # columns contiguous
+    assert torch.equal(fused_ops.row_argmax(t), t.argmax(-1))
