@@ -110,6 +110,11 @@ class NgramDatastore:
     def successor(self, context: Sequence[int]) -> tuple[int, float, int] | None:
         """(token, share, n): the most frequent successor of the longest stored suffix of
         `context` (n tokens) and its share of what followed that suffix; None if none is stored."""
+        found = self._lookup(context)
+        return None if found is None else found[:3]
+
+    def _lookup(self, context: Sequence[int]) -> tuple[int, float, int, int] | None:
+        """successor()'s answer and how often anything followed the suffix (its evidence)."""
         bits, m = self.bits, len(context)
         for n in range(min(self.max_n, m), self.min_n - 1, -1):
             table = self.tables[n]
@@ -118,30 +123,38 @@ class NgramDatastore:
                 key = (key << bits) | int(token)
             i = int(table.keys.searchsorted(np.uint64(key)))
             if i < len(table.keys) and int(table.keys[i]) == key:
-                return int(table.next_token[i]), float(table.count[i]) / float(table.total[i]), n
+                total = int(table.total[i])
+                return int(table.next_token[i]), float(table.count[i]) / float(total), n, total
         return None
 
     def chain(self, context: Sequence[int], k: int) -> tuple[list[int], list[float]]:
         """Up to k drafts, each the successor of the context extended by the drafts before it, and
         their shares; it stops where no suffix is stored."""
+        tokens, shares, _ = self.chain_with_totals(context, k)
+        return tokens, shares
+
+    def chain_with_totals(self, context: Sequence[int], k: int) -> tuple[list[int], list[float], list[int]]:
+        """chain(), and for each draft how often anything followed its suffix: a share of 1.0
+        seen once is weaker evidence than 0.9 seen a hundred times."""
         ctx = list(context[-self.max_n:])
         memo_key = (tuple(ctx), k)
         memo = self._chains.get(memo_key)
         if memo is not None:
-            return list(memo[0]), list(memo[1])
-        tokens, shares = [], []
+            return list(memo[0]), list(memo[1]), list(memo[2])
+        tokens, shares, totals = [], [], []
         for _ in range(k):
-            found = self.successor(ctx)
+            found = self._lookup(ctx)
             if found is None:
                 break
-            token, share, _ = found
+            token, share, _, total = found
             tokens.append(token)
             shares.append(share)
+            totals.append(total)
             ctx = ctx[1:] + [token] if len(ctx) >= self.max_n else ctx + [token]
         if len(self._chains) >= _MAX_MEMO_CHAINS:
             self._chains.clear()
-        self._chains[memo_key] = (tuple(tokens), tuple(shares))
-        return tokens, shares
+        self._chains[memo_key] = (tuple(tokens), tuple(shares), tuple(totals))
+        return tokens, shares, totals
 
     def save(self, path: str | Path) -> None:
         arrays = {"meta": np.frombuffer(json.dumps({"min_n": self.min_n, "max_n": self.max_n, "bits": self.bits}).encode(), np.uint8)}

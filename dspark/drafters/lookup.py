@@ -113,10 +113,16 @@ class LookupAcceptance:
 
 GREEDY_REGIME, SAMPLED_REGIME = 0, 1
 SHARE_BINS = 10  # a datastore draft's stored share, in bins of 0.1
+# How often anything followed the draft's stored suffix, in buckets (1, 2-4, 5-19, 20+): a share
+# of 1.0 seen once is right far less often than the same share seen 20 times.
+EVIDENCE_EDGES = (2, 5, 20)
+NUM_BINS = SHARE_BINS * (len(EVIDENCE_EDGES) + 1)
 
 
-def share_bin(share: float) -> int:
-    return min(int(share * SHARE_BINS), SHARE_BINS - 1)
+def share_bin(share: float, total: int = 1) -> int:
+    """The calibration cell of a datastore draft: its share's bin within its evidence bucket."""
+    evidence = sum(total >= edge for edge in EVIDENCE_EDGES)
+    return evidence * SHARE_BINS + min(int(share * SHARE_BINS), SHARE_BINS - 1)
 
 
 @dataclass
@@ -127,8 +133,8 @@ class ShareAcceptance:
 
     prior_hits: float = 1.0
     prior_misses: float = 2.0
-    hits: np.ndarray = field(default_factory=lambda: np.zeros((2, SHARE_BINS)))  # [regimes, bins]
-    tries: np.ndarray = field(default_factory=lambda: np.zeros((2, SHARE_BINS)))  # [regimes, bins]
+    hits: np.ndarray = field(default_factory=lambda: np.zeros((2, NUM_BINS)))  # [regimes, bins]
+    tries: np.ndarray = field(default_factory=lambda: np.zeros((2, NUM_BINS)))  # [regimes, bins]
 
     def confidences(self, regime: int, bins: list[int]) -> np.ndarray:  # [len(bins)] c_1..c_k
         h, t = self.hits[regime, bins], self.tries[regime, bins]
@@ -258,10 +264,10 @@ class LookupDrafter(Drafter):
             self._pending[req.request_id] = _Pending(len(req.token_ids), n, history, cont)
             found.append((expected_accepted(conf), cont, conf, False))
         if self.datastore is not None:
-            chain, shares = self.datastore.chain(req.token_ids, req.max_draft_tokens)
+            chain, shares, totals = self.datastore.chain_with_totals(req.token_ids, req.max_draft_tokens)
             if chain:
                 regime = GREEDY_REGIME if req.params.temperature == 0.0 else SAMPLED_REGIME
-                bins = [share_bin(x) for x in shares]
+                bins = [share_bin(x, t) for x, t in zip(shares, totals)]
                 conf = self.share_acceptance.confidences(regime, bins)  # [len(chain)]
                 self._pending_chain[req.request_id] = _PendingChain(len(req.token_ids), regime, bins, chain)
                 found.append((expected_accepted(conf), chain, conf, True))

@@ -38,6 +38,14 @@ def test_a_chain_feeds_on_its_own_drafts_and_stops_where_nothing_is_stored():
     assert store.chain([2], 3) == ([], [])  # shorter than min_n
 
 
+def test_a_chain_says_how_often_each_drafts_suffix_was_followed():
+    store = NgramDatastore.build([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 5]], vocab_size=16, min_n=1, max_n=2)
+    tokens, shares, totals = store.chain_with_totals([1, 2], 2)
+    assert tokens == [3, 4]  # (1, 2) -> 3 two times in three; (2, 3) -> 4 and 9 tie: the smaller id
+    assert shares == [pytest.approx(2 / 3), pytest.approx(1 / 2)] and totals == [3, 2]
+    assert store.chain([1, 2], 2) == (tokens, shares)
+
+
 def test_the_vectorised_build_equals_a_dictionary_count():
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, 12, size=rng.integers(1, 60)).tolist() for _ in range(80)]

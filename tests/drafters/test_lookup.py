@@ -62,6 +62,12 @@ def test_the_history_bucket_says_how_the_last_lookup_fared():
     assert [history_bucket(m, 4) for m in (0, 2, 4)] == [MISSED, PARTLY, ALL_RIGHT]
 
 
+def test_a_datastore_draft_is_calibrated_per_share_and_per_how_often_its_suffix_was_seen():
+    assert share_bin(1.0, 1) != share_bin(1.0, 20)  # seen once is weaker evidence than seen 20 times
+    assert share_bin(0.95, 5) == share_bin(0.91, 19) != share_bin(0.85, 19)  # same bucket, same share bin
+    assert len({share_bin(s / 10, t) for s in range(10) for t in (1, 2, 5, 20)}) == 40
+
+
 def test_an_unseen_cell_starts_from_the_prior():
     acc = LookupAcceptance(max_n=4, block_size=3)
     np.testing.assert_allclose(acc.confidences(3, ALL_RIGHT, 3), [1 / 3] * 3)
