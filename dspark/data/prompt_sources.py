@@ -29,7 +29,8 @@ first turn keeps prompts short enough for the target's context.
 Decontamination: a prompt is dropped when any of its messages, normalised (NFKC, lower case,
 alphanumeric words), equals a benchmark turn of `dspark.evaluation.prompts` (all 8 benchmarks)
 or shares a 13-word n-gram with one (benchmark turns of 8-12 words count as one n-gram of their
-own length). The benchmark prompts are read only for this; they never enter the output.
+own length); instruction boilerplate that 20+ benchmark turns share is not evidence on its own
+(`Decontaminator`). The benchmark prompts are read only for this; they never enter the output.
 
 Split: `heldout` when the id's hash (salted) falls below `heldout_fraction`; it depends on
 nothing else (not on the seed, the sources or --max-prompts), so a prompt never changes side.

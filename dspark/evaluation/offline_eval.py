@@ -14,7 +14,8 @@ A parallel drafter cannot draft past the block it was trained at (`block_size` o
 its runs use min(γ, block) and larger sweep points are listed as unsupported, not faked.
 
 Every (drafter, temperature, γ, benchmark) result is cached in `work_dir` with a fingerprint of
-everything that determines it (target, checkpoint files, seed, limit, max_new_tokens, prompts),
+everything that determines it (target, checkpoint files, seed, limit, max_new_tokens, prompts,
+and the source of this package: a changed drafter or sampler is a different result),
 so an interrupted evaluation resumes where it stopped and a finished one re-renders for free.
 
     results = run_offline_eval(EvalConfig(drafters=(DrafterSpec.parse("ngram"),), limit=2),
@@ -24,6 +25,7 @@ so an interrupted evaluation resumes where it stopped and a finished one re-rend
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -401,8 +403,20 @@ def _fingerprint(config: EvalConfig, spec: DrafterSpec, key: RunKey, bench: str,
         "format": CACHE_FORMAT, "target": config.target, "target_dtype": config.target_dtype, "drafter": spec.name,
         "path": str(Path(spec.path).resolve()) if spec.path else None, "checkpoint": _checkpoint_digest(spec.path),
         "temperature": key.temperature, "gamma": key.gamma, "seed": config.seed, "max_new_tokens": config.max_new_tokens,
-        "benchmark": bench, "limit": config.limit, "prompts": prompts,
+        "benchmark": bench, "limit": config.limit, "prompts": prompts, "code": _code_digest(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def _code_digest() -> str:
+    """The dspark package's Python sources (its C++ kernels live in them), hashed: without it an
+    A/B of two versions of a drafter on one checkpoint reads the first version's cached result."""
+    root = Path(__file__).resolve().parents[1]  # the dspark package
+    digest = hashlib.sha1()
+    for f in sorted(root.rglob("*.py")):
+        digest.update(str(f.relative_to(root)).encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
 
 
 def _checkpoint_digest(path: str | None) -> str | None:

@@ -134,6 +134,18 @@ def test_finished_benchmarks_are_read_back_from_the_work_dir(dspark_path, tmp_pa
     assert sum("τ=" in m for m in logs) == len(BENCHES)  # another setting: recomputed, not mixed up
 
 
+def test_a_change_to_the_package_source_invalidates_the_work_dir(dspark_path, tmp_path, monkeypatch):
+    from dspark.evaluation import offline_eval
+
+    config = make_config(dspark_path, drafters=(DrafterSpec.parse("ngram"),), temperatures=(1.0,), block_sizes=())
+    kwargs = dict(load_runtime=tiny_loader, tokenizer=ByteChatTokenizer(), work_dir=tmp_path, progress=False)
+    run_offline_eval(config, **kwargs, log=lambda m: None)
+    logs: list[str] = []
+    monkeypatch.setattr(offline_eval, "_code_digest", lambda: "another version of the drafters")
+    run_offline_eval(config, **kwargs, log=logs.append)
+    assert sum("τ=" in m for m in logs) == len(BENCHES)  # recomputed with the new code, not read back
+
+
 def test_the_table_has_a_row_per_drafter_and_temperature_and_a_mean_column(results):
     lines = render_table(results).splitlines()
     assert lines[0] == "| drafter | T | γ | humaneval | mt-bench | mean |"
