@@ -208,6 +208,62 @@ void dspark_row_argmax(const float* x, int64_t stride, int64_t rows, int64_t n, 
   }
 }
 
+// One pass of the exponential race over a row: the first index of the largest score
+// s_j = w_j > 0 ? w_j / e_j : -1, w_j = p_j - d_j (a residual; d == nullptr: w_j = p_j), NaN
+// scores counting as the largest as in torch.argmax; -1 when no w_j > 0 (the caller falls back).
+int64_t race_pass(const float* p, const float* d, const float* e, int64_t n) {
+  const int64_t body = n / W * W;
+  v16 mv = splat(-std::numeric_limits<float>::infinity());
+  v16i nan = {}, positive = {};
+  for (int64_t j = 0; j < body; j += W) {
+    const v16 w = d ? load(p + j) - load(d + j) : load(p + j);
+    const auto live = w > 0.0f;
+    const v16 score = select(live, w / load(e + j), splat(-1.0f));
+    mv = select(score > mv, score, mv);
+    nan = nan | (score != score);
+    positive = positive | live;
+  }
+  float m = mv[0];
+  bool has_nan = false, any = false;
+  for (int l = 0; l < W; ++l) {
+    m = mv[l] > m ? mv[l] : m;
+    has_nan = has_nan || nan[l] != 0;
+    any = any || positive[l] != 0;
+  }
+  auto score_at = [&](int64_t j) {
+    const float w = d ? p[j] - d[j] : p[j];
+    return w > 0.0f ? w / e[j] : -1.0f;
+  };
+  for (int64_t j = body; j < n; ++j) {
+    const float w = d ? p[j] - d[j] : p[j];
+    const float score = score_at(j);
+    m = score > m ? score : m;
+    has_nan = has_nan || score != score;
+    any = any || w > 0.0f;
+  }
+  if (!any) return -1;
+  int64_t best = 0;
+  if (has_nan) {
+    while (score_at(best) == score_at(best)) ++best;
+  } else {
+    while (score_at(best) != m) ++best;  // the same IEEE operations as the vector pass: m is found
+  }
+  return best;
+}
+
+void dspark_race_argmax(const float* p, int64_t p_stride, const int64_t* p_rows, const float* d, int64_t d_stride,
+                        const int64_t* d_rows, const float* e, int64_t e_stride, const int64_t* e_rows, int64_t rows,
+                        int64_t n, int64_t* out, int threads) {
+#pragma omp parallel for num_threads(threads_for(rows * n, threads)) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + p_rows[r] * p_stride;
+    const float* er = e + e_rows[r] * e_stride;
+    int64_t best = race_pass(pr, d_rows[r] >= 0 ? d + d_rows[r] * d_stride : nullptr, er, n);
+    if (best < 0) best = race_pass(pr, nullptr, er, n);  // an all-zero residual: draw from p_t
+    out[r] = best < 0 ? 0 : best;  // no mass at all: every score -1, argmax's first index
+  }
+}
+
 }  // extern "C"
 """
 
@@ -219,6 +275,7 @@ _LIBRARY = LazyLibrary(_SOURCE, "fused_ops", {
     "dspark_rope_split": [_ptr, _i32, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i32],
     "dspark_silu_mul": [_ptr, _i32, _i64, _i64, _i64, _i64, _ptr, _ptr, _i32],
     "dspark_row_argmax": [_ptr, _i64, _i64, _i64, _ptr, _i32],
+    "dspark_race_argmax": [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i32],
 }, fallback="using the torch ops")
 
 
@@ -290,4 +347,33 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] fp32 CPU -> [rows]
         return x.argmax(-1)
     out = torch.empty(x.shape[0], dtype=torch.int64)
     lib.dspark_row_argmax(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def race_argmax(
+    p: torch.Tensor,  # [num_p_rows, n] fp32: p_t rows
+    p_rows: torch.Tensor,  # [rows] int64: the p_t row of each race
+    d: torch.Tensor | None,  # [num_d_rows, n] fp32: p_d rows, or None (no race subtracts one)
+    d_rows: torch.Tensor | None,  # [rows] int64: the p_d row of a residual race, -1 for a race on p_t itself
+    e: torch.Tensor,  # [num_e_rows, n] fp32: Exp(1) noise
+    e_rows: torch.Tensor,  # [rows] int64: the noise row of each race
+) -> torch.Tensor | None:  # [rows] int64, or None where the kernel cannot take these tensors
+    """The winners of exponential races on whole rows, without materialising a score table:
+    per race, w = max(p_t - p_d, 0) (or p_t), falling back to p_t when w has no mass, and the
+    first argmax of where(w > 0, w / E, -1) (NaN counted as the maximum): the batched torch
+    path's expressions, the same IEEE operations element by element, so the same indices
+    (tests/model/test_fused_ops.py; rejection_sampler.rejection_sample_batched calls it).
+    None when the kernel is not built or a tensor is not a CPU fp32 matrix with contiguous rows."""
+    lib = load()
+    mats = [t for t in (p, d, e) if t is not None]
+    if lib is None or any(t.device.type != "cpu" or t.dtype != torch.float32 or t.dim() != 2 or t.stride(-1) != 1
+                          for t in mats) or len({t.shape[1] for t in mats}) != 1 or p.shape[1] == 0:
+        return None
+    rows = p_rows.shape[0]
+    p_rows, e_rows = p_rows.to(torch.int64).contiguous(), e_rows.to(torch.int64).contiguous()
+    d_rows = torch.full((rows,), -1, dtype=torch.int64) if d is None else d_rows.to(torch.int64).contiguous()
+    out = torch.empty(rows, dtype=torch.int64)
+    lib.dspark_race_argmax(p.data_ptr(), p.stride(0), p_rows.data_ptr(), 0 if d is None else d.data_ptr(),
+                           0 if d is None else d.stride(0), d_rows.data_ptr(), e.data_ptr(), e.stride(0),
+                           e_rows.data_ptr(), rows, p.shape[1], out.data_ptr(), torch.get_num_threads())
     return out

@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dspark.model.fused_ops import race_argmax, row_argmax
 from dspark.sampling.params import SamplingParams, logits_to_probs
 
 BACKENDS = ("torch", "triton")
@@ -40,9 +41,11 @@ BACKENDS = ("torch", "triton")
 # to 1 within 4e-6 at V = 49,152 and 2e-5 at V = 151,936 (the normaliser's rounding; top-p
 # truncations within 4e-6, top-k ones within 3e-7): 1e-4 leaves a margin of five.
 ROW_SUM_TOL = 1e-4
-# The race runs on gathered support columns while a support is at most 1/8 of the vocabulary
-# (top-p / top-k rows: a few dozen tokens); wider ones (temperature alone) race on whole rows,
-# where gathering would only add passes. Either way the same draws decide the same tokens.
+# A request whose support is at most 1/8 of the vocabulary (top-p / top-k rows: a few dozen
+# tokens) draws Exp(1) on its support only, and the race runs on the gathered columns; a wider
+# one (temperature alone) draws a whole vocabulary, with no support lookup (finding the ids of
+# 49,152 columns, drawing on them and scattering back cost ~2 ms a request), and the race runs
+# on whole rows.
 COMPACT_RACE_FRACTION = 8
 
 
@@ -166,32 +169,33 @@ def support_ids(support: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, valid
 
 
+def wide_supports(support: torch.Tensor) -> list[bool]:  # [num_requests, vocab] bool -> [num_requests]
+    """The requests whose support is wider than 1/COMPACT_RACE_FRACTION of the vocabulary: they
+    draw a whole vocabulary of exponentials (their race runs on whole rows). A function of the
+    request's own rows only, so a seeded request draws the same numbers whatever the batch."""
+    return (support.sum(1) > support.shape[1] // COMPACT_RACE_FRACTION).tolist()
+
+
 def draw_race_noise(
-    support: torch.Tensor,  # [num_requests, vocab] bool
+    support: torch.Tensor,  # [num_requests, vocab] bool, every row narrow (not wide_supports)
     generators: list[torch.Generator | None],  # [num_requests]
     *,
     greedy: list[bool] | None = None,  # [num_requests] requests that consume no randomness
 ) -> RaceSupport:
-    """draw_exp_noise on a support, kept compact: the same draws from the same streams (request
-    r's support in id order from its own generator; requests without one share a batched draw
-    from the default generator in request order, then id order)."""
+    """draw_exp_noise on narrow supports, kept compact: the same draws from the same streams
+    (request r's support in id order, from its own generator or, without one, from the default
+    generator in request order)."""
     skip = _draw_plan(support.shape[0], generators, greedy)
     if any(skip):
         support = support & ~torch.tensor(skip, dtype=torch.bool, device=support.device).unsqueeze(1)
+    if any(wide_supports(support)):
+        raise ValueError("draw_race_noise takes narrow supports only: a wider one draws a whole vocabulary (draw_exp_noise)")
     ids, valid = support_ids(support)
     device = support.device
     noise = torch.ones(ids.shape, device=device)
-    shared = [r for r, gen in enumerate(generators) if gen is None and not skip[r]]
-    if shared:
-        rows = torch.tensor(shared, device=device)
-        mask = valid.index_select(0, rows)  # [shared, S]
-        block = torch.ones(mask.shape, device=device)
-        block[mask] = torch.empty(int(mask.sum()), device=device).exponential_()  # row-major: request order, then id order
-        noise[rows] = block
-    counts = valid.sum(1).tolist()
-    for r, gen in enumerate(generators):
-        if gen is not None and not skip[r] and counts[r]:
-            noise[r, : counts[r]] = torch.empty(counts[r], device=gen.device).exponential_(generator=gen).to(device)
+    for r, (gen, n) in enumerate(zip(generators, valid.sum(1).tolist())):
+        if n:
+            noise[r, :n] = exponentials(n, gen, device=device)
     return RaceSupport(ids=ids, valid=valid, noise=noise)
 
 
@@ -236,6 +240,17 @@ def draw_uniforms(
     return uniforms
 
 
+def exponentials(shape: int | tuple[int, ...], generator: torch.Generator | None, *,
+                 device: torch.device | str) -> torch.Tensor:  # [*shape] fp32, iid Exp(1)
+    """Exp(1) draws by the inverse CDF, E = -log(1 - u) of 53-bit uniforms u in [0, 1) (float64
+    until after the log, so small E, the race's decisive ones, keep fp32's relative precision),
+    from `generator` or the default one. 2.4x faster than ATen's exponential_ on a CPU (1.1 ms
+    a 49,152-token row there, a quarter of a sampled decoding step at one request)."""
+    u = torch.rand(shape, dtype=torch.float64, generator=generator,
+                   device=generator.device if generator is not None else device)  # [*shape] in [0, 1)
+    return u.neg_().log1p_().neg_().to(device=device, dtype=torch.float32)
+
+
 def draw_exp_noise(
     vocab: int,
     generators: list[torch.Generator | None],  # [num_requests]
@@ -246,14 +261,16 @@ def draw_exp_noise(
 ) -> torch.Tensor:  # [num_requests, vocab] fp32
     """The exponentials of one round's categorical draws (the exponential race), per request.
 
-    A request draws Exp(1) for each token of its `support` in id order (its whole vocabulary
-    without one) from its own generator, after its uniforms, so a seeded request reproduces
-    whatever else is in the batch; requests without a generator share one batched draw from the
-    default generator. Entries outside the support, and greedy requests' rows, hold 1: the race
-    never reads them, because a token outside the support has zero weight in every row the
-    request can draw from (docs/method.md §1: residual and bonus rows vanish where p_t does).
-    Why a support: with top-p or top-k a row's support is a few dozen tokens, and a vocabulary
-    of exponentials costs ~0.9 ms a request a round on a CPU, most of a batch-64 decoding step.
+    Without a support every request draws a whole vocabulary in id order, from its own
+    generator, after its uniforms; requests without a generator share one batched draw from the
+    default generator. With one, request r draws a whole vocabulary if its support is wide
+    (wide_supports: temperature alone), else one Exp(1) per support token in id order (top-p,
+    top-k), in request order; entries it did not draw hold 1. Either way a seeded request
+    reproduces whatever else is in the batch, and greedy requests' rows hold 1 and draw
+    nothing. The race never reads an entry off the support: a token there has zero weight in
+    every row the request can draw from (docs/method.md §1: residual and bonus rows vanish where
+    p_t does). Why a support: a vocabulary of exponentials costs ~0.45 ms a request a round on a
+    CPU; with top-p or top-k a row's support is a few dozen tokens.
     """
     device = torch.device(device)
     skip = _draw_plan(len(generators), generators, greedy)
@@ -261,19 +278,29 @@ def draw_exp_noise(
     noise = torch.ones(num_requests, vocab, device=device)
     if all(skip):
         return noise
-    if support is not None and tuple(support.shape) != (num_requests, vocab):
-        raise ValueError(f"support must be [num_requests, vocab] = {[num_requests, vocab]}, got {list(support.shape)}")
     if support is not None:
-        return draw_race_noise(support.to(device), generators, greedy=greedy).dense_noise(vocab)
+        if tuple(support.shape) != (num_requests, vocab):
+            raise ValueError(f"support must be [num_requests, vocab] = {[num_requests, vocab]}, got {list(support.shape)}")
+        support = support.to(device)
+        for r, (gen, wide) in enumerate(zip(generators, wide_supports(support))):
+            if skip[r]:
+                continue
+            if wide:
+                noise[r] = exponentials(vocab, gen, device=device)
+            else:
+                cols = support[r].nonzero().squeeze(1)  # [|support_r|] ascending ids
+                if cols.numel():
+                    noise[r, cols] = exponentials(cols.numel(), gen, device=device)
+        return noise
     shared = [r for r, gen in enumerate(generators) if gen is None and not skip[r]]
     if shared:
         if len(shared) == num_requests:
-            noise.exponential_()
+            noise = exponentials((num_requests, vocab), None, device=device)
         else:
-            noise[shared] = torch.empty(len(shared), vocab, device=device).exponential_()
+            noise[shared] = exponentials((len(shared), vocab), None, device=device)
     for r, gen in enumerate(generators):
         if gen is not None and not skip[r]:
-            noise[r] = torch.empty(vocab, device=gen.device).exponential_(generator=gen).to(device)
+            noise[r] = exponentials(vocab, gen, device=device)
     return noise
 
 
@@ -535,11 +562,12 @@ def prepare_batch(batch: RejectionBatch) -> PreparedBatch:
         if all(greedy):  # plain greedy decoding: no race, nothing drawn (the common case at one request)
             empty = torch.zeros(len(greedy), 0, dtype=torch.int64, device=device)
             return replace(prep, race=RaceSupport(ids=empty, valid=empty.bool(), noise=empty.float()))
-        race = draw_race_noise(noise_support(prep), batch.noise_generators, greedy=greedy)
-        if race.ids.shape[1] > vocab // COMPACT_RACE_FRACTION:  # a wide support (no top-p / top-k): race on whole rows
-            prep = replace(prep, exp_noise=race.dense_noise(vocab))
-        else:
-            prep = replace(prep, race=race)
+        support = noise_support(prep)  # [num_requests, vocab]
+        if any(wide_supports(support)):  # temperature alone somewhere: race on whole rows
+            prep = replace(prep, exp_noise=draw_exp_noise(vocab, batch.noise_generators, device=device, greedy=greedy,
+                                                          support=support))
+        else:  # top-p / top-k everywhere: race on the gathered support columns
+            prep = replace(prep, race=draw_race_noise(support, batch.noise_generators, greedy=greedy))
     return prep
 
 
@@ -614,9 +642,49 @@ def _row_argmax(target: torch.Tensor) -> torch.Tensor:  # [num_rows, vocab] -> [
     """target.argmax(-1), the same indices; on the CPU by the vectorised kernel beside the other
     per-row C++ kernels (ATen's argmax costs ~50 µs a 49,152-entry row, most of a greedy
     round's sampling at one request and ~3 ms a step at 64)."""
-    from dspark.model.fused_ops import row_argmax
-
     return row_argmax(target)
+
+
+def _race_winners(
+    prep: PreparedBatch,
+    sampled: torch.Tensor,  # [num_sampled] the sampled requests
+    rows: torch.Tensor,  # [num_sampled] the target row each one draws at
+    d_index: torch.Tensor,  # [num_sampled] its draft row there (read only where rejected)
+    rejected: torch.Tensor,  # [num_sampled] bool: a residual race, else one on p_t (the bonus)
+) -> torch.Tensor:  # [num_sampled] int64 token ids
+    """The one drawn token per sampled request: the race argmax_v w(v) / E(v) with w the
+    residual max(0, p_t - p_d) (p_t where it has no mass) or p_t. Its columns: each request's
+    support (ascending ids, so argmax's lowest-position ties are the lowest ids), or whole rows.
+    Off the support every weight is 0 in the reference too (noise_support): it scores -1 there
+    and never wins."""
+    target = prep.target  # [num_rows, vocab]
+    race = prep.race
+    if race is None:  # whole rows: one fused pass a race where the kernel is built
+        d_rows = None if prep.draft_probs is None else torch.where(rejected, d_index, -1)  # [num_sampled]
+        winner = race_argmax(target, rows, prep.draft_probs, d_rows, prep.exp_noise, sampled)
+        if winner is not None:
+            return winner
+        cols = on_support = None
+        p_row = target[rows]  # [num_sampled, vocab]
+        noise = prep.exp_noise[sampled]  # [num_sampled, vocab]
+        d_row = None if prep.draft_probs is None else prep.draft_probs[d_index]
+    else:
+        cols = race.ids[sampled]  # [num_sampled, S]
+        on_support = race.valid[sampled]  # [num_sampled, S]
+        noise = race.noise[sampled]  # [num_sampled, S]
+        p_row = target[rows.unsqueeze(1), cols]  # [num_sampled, S]
+        d_row = None if prep.draft_probs is None else prep.draft_probs[d_index.unsqueeze(1), cols]
+    weights = p_row
+    if d_row is not None:
+        weights = torch.where(rejected[:, None], (p_row - d_row).clamp_min(0.0), p_row)  # [num_sampled, S or vocab]
+    positive = weights > 0 if on_support is None else (weights > 0) & on_support
+    empty = ~positive.any(-1, keepdim=True)  # [num_sampled, 1] an all-zero residual: draw from p_t
+    if bool(empty.any()):
+        weights = torch.where(empty, p_row, weights)
+        positive = weights > 0 if on_support is None else (weights > 0) & on_support
+    scores = (weights / noise).masked_fill_(~positive, -1.0)  # the reference's where(w > 0, w / E, -1)
+    winner = scores.argmax(-1)  # [num_sampled]
+    return winner if cols is None else cols.gather(1, winner.unsqueeze(1)).squeeze(1)
 
 
 def rejection_sample_batched(prep: PreparedBatch) -> RejectionResult:
@@ -637,6 +705,12 @@ def rejection_sample_batched(prep: PreparedBatch) -> RejectionResult:
         # (what the general path below computes for it, in one op instead of ~20 small ones)
         return RejectionResult(output_token_ids=_row_argmax(target).unsqueeze(1),
                                num_accepted=torch.zeros(num_requests, dtype=torch.int64, device=device))
+    if num_drafts == 0 and prep.race is None and not bool(prep.is_greedy.any()):  # plain sampled decoding, whole rows
+        every = torch.arange(num_requests, device=device)  # [num_requests] row r is request r's p_t and noise
+        winner = race_argmax(target, every, None, None, prep.exp_noise, every)  # the bonus race of every request
+        if winner is not None:
+            return RejectionResult(output_token_ids=winner.unsqueeze(1),
+                                   num_accepted=torch.zeros(num_requests, dtype=torch.int64, device=device))
     lens = prep.cu_num_draft[1:] - prep.cu_num_draft[:-1]  # [num_requests]
     first_draft = prep.cu_num_draft[:-1]  # [num_requests]
     anchor_row = first_draft + torch.arange(num_requests, device=device)  # [num_requests] target row of x_0's position
@@ -665,36 +739,9 @@ def rejection_sample_batched(prep: PreparedBatch) -> RejectionResult:
         final = torch.where(prep.is_greedy, best[final_row], final)
     sampled = (~prep.is_greedy).nonzero().squeeze(1)  # [num_sampled]
     if sampled.numel():
-        # The race's columns: each request's support (ascending ids, so argmax's lowest-position
-        # ties are the lowest ids), or whole rows. Off the support every weight is 0 in the
-        # reference too (noise_support), so it scores -1 there and never wins.
-        race = prep.race
-        every_row = race is None and sampled.numel() == num_requests and target.shape[0] == num_requests  # plain decoding
         d_index = (first_draft[sampled] + num_accepted[sampled]).clamp_max(max(num_drafts - 1, 0))  # [num_sampled]
-        if race is not None:
-            cols = race.ids[sampled]  # [num_sampled, S]
-            on_support = race.valid[sampled]  # [num_sampled, S]
-            noise = race.noise[sampled]  # [num_sampled, S]
-            p_row = target[final_row[sampled].unsqueeze(1), cols]  # [num_sampled, S]
-            d_row = None if prep.draft_probs is None else prep.draft_probs[d_index.unsqueeze(1), cols]
-        else:
-            cols = on_support = None
-            p_row = target if every_row else target[final_row[sampled]]  # [num_sampled, vocab]
-            noise = prep.exp_noise if every_row else prep.exp_noise[sampled]  # [num_sampled, vocab]
-            d_row = None if prep.draft_probs is None else prep.draft_probs[d_index]
-        weights = p_row
-        if d_row is not None:
-            rejected = num_accepted[sampled] < lens[sampled]  # [num_sampled]
-            weights = torch.where(rejected[:, None], (p_row - d_row).clamp_min(0.0), p_row)  # [num_sampled, S or vocab]
-        positive = weights > 0 if on_support is None else (weights > 0) & on_support
-        empty = ~positive.any(-1, keepdim=True)  # [num_sampled, 1] an all-zero residual: draw from p_t
-        if bool(empty.any()):
-            weights = torch.where(empty, p_row, weights)
-            positive = weights > 0 if on_support is None else (weights > 0) & on_support
-        scores = (weights / noise).masked_fill_(~positive, -1.0)  # the reference's where(w > 0, w / E, -1)
-        winner = scores.argmax(-1)  # [num_sampled]
-        final[sampled] = winner if cols is None else cols.gather(1, winner.unsqueeze(1)).squeeze(1)
-
+        rejected = num_accepted[sampled] < lens[sampled]  # [num_sampled] a residual race, else the bonus
+        final[sampled] = _race_winners(prep, sampled, final_row[sampled], d_index, rejected)
     out = torch.full((num_requests, prep.max_num_draft + 1), -1, dtype=torch.int64, device=device)
     kept = k < num_accepted[token_request]  # [num_drafts]
     out[token_request[kept], k[kept]] = x[kept]

@@ -103,3 +103,46 @@ def test_row_argmax_falls_back_to_torch_where_the_kernel_does_not_apply():
     assert torch.equal(fused_ops.row_argmax(x), x.argmax(-1))
     t = torch.randn(33, 4).t()  # columns contiguous
     assert torch.equal(fused_ops.row_argmax(t), t.argmax(-1))
+
+
+def _race_reference(p: torch.Tensor, d: torch.Tensor | None, e: torch.Tensor) -> int:
+    """The race as the batched torch path writes it, on one row."""
+    w = p if d is None else (p - d).clamp_min(0.0)
+    if not bool((w > 0).any()):
+        w = p  # an all-zero residual: draw from p_t
+    return int(torch.where(w > 0, w / e, -1.0).argmax())
+
+
+@pytest.mark.parametrize("vocab", [49152, 4099, 5])
+def test_race_argmax_is_the_torch_race(vocab):
+    """Residual and bonus races, rows picked by index; the edge cases of the reference: a residual
+    without mass (falls back to p_t), zero noise (an infinite score: the first one wins), ties,
+    no mass at all (index 0), a NaN weight (never positive), a winner in the scalar tail."""
+    g = torch.Generator().manual_seed(vocab)
+    p = torch.softmax(torch.randn(6, vocab, generator=g) * 3, -1)  # [6, vocab]
+    d = torch.softmax(torch.randn(4, vocab, generator=g) * 3, -1)  # [4, vocab]
+    e = torch.empty(5, vocab).exponential_(generator=g)  # [5, vocab]
+    d[1] = p[1]  # residual p_t - p_d without mass
+    e[2, [vocab // 2, vocab - 1]] = 0.0  # two infinite scores
+    p[3] = 0.0
+    p[3, [0, vocab - 1]] = 0.25  # a tie between the first and the last id: same noise below
+    e[3] = 1.0
+    p[4] = 0.0  # no mass anywhere
+    p[5, vocab // 3] = math.nan
+    p[5, vocab - 1] = 5.0  # the winner, in the scalar tail where vocab % 16 != 0
+    races = [(0, -1, 0), (1, 1, 1), (2, 0, 2), (3, -1, 3), (4, 2, 4), (5, -1, 0), (0, 3, 4), (5, 2, 1)]  # (p, d, e) rows
+    p_rows, d_rows, e_rows = (torch.tensor(c) for c in zip(*races))
+    got = fused_ops.race_argmax(p, p_rows, d, d_rows, e, e_rows)
+    expected = [_race_reference(p[i], None if j < 0 else d[j], e[k]) for i, j, k in races]
+    assert got.tolist() == expected
+    no_drafts = fused_ops.race_argmax(p, p_rows, None, None, e, e_rows)
+    assert no_drafts.tolist() == [_race_reference(p[i], None, e[k]) for i, _, k in races]
+
+
+def test_race_argmax_declines_what_the_kernel_does_not_take():
+    p = torch.rand(2, 40, dtype=torch.float64)
+    rows = torch.arange(2)
+    assert fused_ops.race_argmax(p, rows, None, None, p, rows) is None  # fp64: the caller's torch ops
+    p32 = torch.rand(2, 40)
+    assert fused_ops.race_argmax(p32, rows, None, None, torch.rand(2, 41), rows) is None  # widths differ
+    assert fused_ops.race_argmax(torch.rand(40, 2).t(), rows, None, None, p32, rows) is None  # columns contiguous

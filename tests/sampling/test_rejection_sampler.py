@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chisquare, kstest
 
 from dspark.sampling import (
     DraftProbs,
@@ -29,6 +29,8 @@ from dspark.sampling import rejection_sampler
 from dspark.sampling.rejection_sampler import (
     ROW_SUM_TOL,
     dense_exp_noise,
+    draw_race_noise,
+    exponentials,
     noise_support,
     prepare_batch,
     rejection_sample_reference,
@@ -425,9 +427,10 @@ def test_noise_drawn_on_the_support_keeps_the_emitted_tokens_on_the_target_distr
     assert all(p > P_MIN for p in pvalues.values()), pvalues
 
 
-def test_the_support_noise_test_catches_a_sampler_that_races_on_the_wrong_support():
+def test_the_support_noise_test_catches_a_sampler_that_races_on_the_wrong_support(compact_race):
     """Power check for the test above: each request's likeliest token left out of the support it
-    draws noise on (it races with E = 1 instead of an Exp(1) draw)."""
+    draws noise on (it races with E = 1 instead of an Exp(1) draw). On narrow supports only: a
+    wide one draws a whole vocabulary, where a support cannot be wrong."""
     def wrong(batch: RejectionBatch) -> RejectionResult:
         prep = prepare_batch(replace(batch, exp_noise=torch.ones(batch.num_requests, batch.vocab_size)))
         num_requests = prep.is_greedy.shape[0]
@@ -518,7 +521,12 @@ def test_greedy_requests_draw_no_exponentials_and_leave_the_others_streams_alone
         draw_rejection_randoms(lens, vocab, [None, None], greedy=[True])
 
 
-def test_noise_on_a_support_is_each_seeded_requests_own_stream_and_ones_elsewhere():
+def _inverse_cdf_exponentials(n: int, gen: torch.Generator) -> torch.Tensor:  # [n] fp32
+    """The definition of the sampler's Exp(1) draws: -log(1 - u), u 53-bit uniforms."""
+    return (-torch.log1p(-torch.rand(n, dtype=torch.float64, generator=gen))).float()
+
+
+def test_noise_on_a_narrow_support_is_each_seeded_requests_own_stream_and_ones_elsewhere(compact_race):
     vocab = 9
     support = torch.zeros(3, vocab, dtype=torch.bool)
     support[0, [1, 4]] = True
@@ -526,7 +534,7 @@ def test_noise_on_a_support_is_each_seeded_requests_own_stream_and_ones_elsewher
     support[2, 5] = True
     alone = torch.Generator().manual_seed(42)
     torch.rand(3, generator=alone)  # its uniforms come first
-    expected = torch.empty(4).exponential_(generator=alone)
+    expected = _inverse_cdf_exponentials(4, alone)
     lens = torch.tensor([2, 3, 0])
     generators = [None, torch.Generator().manual_seed(42), torch.Generator().manual_seed(1)]
     u = draw_uniforms(lens, generators)
@@ -536,8 +544,45 @@ def test_noise_on_a_support_is_each_seeded_requests_own_stream_and_ones_elsewher
     assert (e[support] >= 0).all() and u.shape == (5,)
     u_old, _ = draw_rejection_randoms(lens, vocab, [None, torch.Generator().manual_seed(42), None])
     assert torch.equal(u_old[2:], u[2:])  # the uniforms are the stream draw_rejection_randoms gives
+    # the compact form holds the same draws from the same streams
+    seeded = torch.Generator().manual_seed(42)
+    torch.rand(3, generator=seeded)  # its uniforms, as above
+    race = draw_race_noise(support, [torch.Generator().manual_seed(5), seeded, torch.Generator().manual_seed(1)])
+    assert torch.equal(race.dense_noise(vocab)[1], e[1])
     with pytest.raises(ValueError, match="support must be"):
         draw_exp_noise(vocab, generators, device="cpu", support=support[:2])
+
+
+def test_a_request_with_a_wide_support_draws_a_whole_vocabulary_whatever_the_batch():
+    """Temperature alone: the support is (nearly) every token, and the request draws Exp(1) for
+    every id of the vocabulary, from its own stream after its uniforms, beside narrow requests
+    or alone; its neighbour's support does not change a single draw."""
+    vocab = 64  # wide: more than 64 // 8 = 8 tokens
+    wide = torch.ones(vocab, dtype=torch.bool)
+    wide[[3, 17]] = False  # p_t underflowed there: still a whole row
+    narrow = torch.zeros(vocab, dtype=torch.bool)
+    narrow[[2, 9, 40]] = True
+    alone = torch.Generator().manual_seed(3)
+    expected = _inverse_cdf_exponentials(vocab, alone)
+    for neighbour in (narrow, wide):
+        e = draw_exp_noise(vocab, [torch.Generator().manual_seed(8), torch.Generator().manual_seed(3)], device="cpu",
+                           support=torch.stack([neighbour, wide]))
+        assert torch.equal(e[1], expected)
+    assert rejection_sampler.wide_supports(torch.stack([narrow, wide])) == [False, True]
+    with pytest.raises(ValueError, match="narrow supports only"):
+        draw_race_noise(wide.unsqueeze(0), [None])
+
+
+def test_the_exponentials_are_exp1_distributed():
+    """Kolmogorov-Smirnov against Exp(1) on 200,000 draws, and the mean; the inverse CDF's
+    power check: uniforms passed through unchanged fail it."""
+    e = exponentials(200_000, torch.Generator().manual_seed(0), device="cpu")
+    assert e.dtype == torch.float32 and (e >= 0).all()
+    e = e.double()
+    assert kstest(e.numpy(), "expon").pvalue > 1e-3
+    assert abs(float(e.mean()) - 1.0) < 0.01
+    u = torch.rand(200_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert kstest(u.numpy(), "expon").pvalue < 1e-6
 
 
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
