@@ -87,7 +87,9 @@ def logits_to_probs(
     return torch.softmax(logits, dim=-1)
 
 
-TOP_P_CANDIDATES = 256  # the nucleus is looked for among this many most likely tokens first
+# The nucleus is looked for among this many most likely tokens first, then among this many for
+# the rows whose nucleus reaches past them; only rows past the last tier are sorted in full.
+TOP_P_CANDIDATES = (256, 4096)
 
 
 def top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab] -> [n, vocab] bool
@@ -95,22 +97,25 @@ def top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:  # [n, vocab
     strictly before it already reaches top_p (the token that crosses top_p is kept, and the most
     likely token always is: a top_p below fp32's range compares as 0).
 
-    Ranked among the TOP_P_CANDIDATES most likely tokens (a partial sort, topk): a row whose
+    Ranked among the TOP_P_CANDIDATES[0] most likely tokens (a partial sort, topk): a row whose
     candidates already hold top_p of the mass has its whole nucleus among them (every token past
-    them has at least that mass before it). Only the other rows are sorted in full
+    them has at least that mass before it). The other rows are ranked the same way among the
+    next tier's candidates, and only the rows past the last tier are sorted in full
     (`top_p_drop_sorted`, the plain reference, the same decisions: tests/sampling/test_params.py).
     At 64 rows of a 49,152-token vocabulary: ~10 ms instead of ~115 ms for the full sort (the
-    largest cost of a batched regeneration step with top-p on a 2-core Xeon)."""
+    largest cost of a batched regeneration step with top-p on a 2-core Xeon); a row whose
+    nucleus holds 256 to 4,096 tokens (temperature 1, top-p 0.95 on open text) 0.75 ms instead
+    of 3.8 ms."""
     return _drop_mask(logits, top_p, *_nucleus_among_candidates(logits, top_p))
 
 
 def _nucleus_among_candidates(
-    logits: torch.Tensor, top_p: float  # [n, vocab]
+    logits: torch.Tensor, top_p: float, tier: int = 0  # [n, vocab]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # top_idx [n, k], drop_top [n, k] bool, wide [rows] int64
-    """top_p_drop's decisions on each row's TOP_P_CANDIDATES most likely tokens, and the rows
-    (`wide`) whose nucleus may reach past them (their candidates hold less than top_p)."""
+    """top_p_drop's decisions on each row's TOP_P_CANDIDATES[tier] most likely tokens, and the
+    rows (`wide`) whose nucleus may reach past them (their candidates hold less than top_p)."""
     vocab = logits.shape[1]
-    k = min(TOP_P_CANDIDATES, vocab)
+    k = min(TOP_P_CANDIDATES[tier], vocab)
     probs = torch.softmax(logits, dim=-1)  # [n, vocab]
     top_probs, top_idx = torch.topk(probs, k, dim=-1)  # [n, k], descending
     cumulative = torch.cumsum(top_probs, dim=-1)  # [n, k]
@@ -121,11 +126,16 @@ def _nucleus_among_candidates(
 
 
 def _drop_mask(logits: torch.Tensor, top_p: float, top_idx: torch.Tensor, drop_top: torch.Tensor,
-               wide: torch.Tensor) -> torch.Tensor:  # [n, vocab] bool
+               wide: torch.Tensor, tier: int = 0) -> torch.Tensor:  # [n, vocab] bool
+    """The drop mask from one tier's decisions; its wide rows decided by the next tier."""
     n, vocab = logits.shape
     drop = torch.ones(n, vocab, dtype=torch.bool, device=logits.device).scatter(-1, top_idx, drop_top)
     if wide.numel():
-        drop[wide] = top_p_drop_sorted(logits[wide], top_p)
+        rows = logits[wide]  # [num_wide, vocab]
+        if tier + 1 < len(TOP_P_CANDIDATES):
+            drop[wide] = _drop_mask(rows, top_p, *_nucleus_among_candidates(rows, top_p, tier + 1), tier=tier + 1)
+        else:
+            drop[wide] = top_p_drop_sorted(rows, top_p)
     return drop
 
 

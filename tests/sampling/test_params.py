@@ -134,10 +134,17 @@ def test_the_partial_sort_nucleus_is_the_full_sort_nucleus(scale, top_p):
     from dspark.sampling.params import TOP_P_CANDIDATES, top_p_drop, top_p_drop_sorted
 
     g = torch.Generator().manual_seed(int(scale * 100 + top_p * 1000))
-    vocab = 4 * TOP_P_CANDIDATES + 3
+    first, last = TOP_P_CANDIDATES[0], TOP_P_CANDIDATES[-1]
+    vocab = 4 * last + 3
     logits = torch.randn(16, vocab, generator=g) * scale
     logits[3, 100:] = float("-inf")  # a row cut by top_k first
     logits[5] = logits[5] * 0.01  # nearly uniform: its nucleus needs the full sort
+    for row, head in ((7, 2 * first), (9, 2 * last)):  # a flat head past the first tier within the last, past the last
+        logits[row] = torch.randn(vocab, generator=g) * 0.1
+        logits[row, :head] += 30.0
     assert torch.equal(top_p_drop(logits, top_p), top_p_drop_sorted(logits, top_p))
-    small = logits[:, :TOP_P_CANDIDATES // 2]  # a vocabulary smaller than the candidates
+    kept = (~top_p_drop(logits, top_p)).sum(1)  # [16] nucleus sizes
+    if top_p >= 0.8:
+        assert first < int(kept[7]) <= last and int(kept[9]) > last  # the tiers the rows were built for
+    small = logits[:, : first // 2]  # a vocabulary smaller than the candidates
     assert torch.equal(top_p_drop(small, top_p), top_p_drop_sorted(small, top_p))
